@@ -1,2 +1,37 @@
-"""hvd_sparse: sparse gradient communication for Horovod."""
+"""hvd_sparse: sparse gradient exchange for Horovod, as a drop-in ``DistributedOptimizer``.
+
+``import hvd_sparse as hvd`` is a one-line switch: the optimizer is hvd_sparse's, and every other
+name a Horovod training script uses (``init``, ``rank``, ``size``, ``broadcast_parameters``,
+``broadcast_optimizer_state``, ``Compression``, ``Average``, ``elastic``, ...) is Horovod's own,
+looked up in ``horovod.torch`` on first use.
+"""
+from .optimizer import DistributedOptimizer, is_sparse_optimizer
+from .sparsifiers import Sparsifier, TopK, make_sparsifier
+
 __version__ = "0.1.0"
+__all__ = ["DistributedOptimizer", "Sparsifier", "TopK", "make_sparsifier",
+           "is_sparse_optimizer"]
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    try:
+        import horovod.torch as _hvd
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise AttributeError(
+            f"hvd_sparse.{name} is Horovod's and Horovod is not installed ({exc})") from exc
+    try:
+        return getattr(_hvd, name)
+    except AttributeError:
+        raise AttributeError(f"module 'hvd_sparse' has no attribute {name!r}") from None
+
+
+def __dir__():
+    names = set(globals())
+    try:
+        import horovod.torch as _hvd
+        names.update(n for n in dir(_hvd) if not n.startswith("_"))
+    except ImportError:  # pragma: no cover
+        pass
+    return sorted(names)

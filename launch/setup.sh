@@ -60,7 +60,7 @@ assert hvd.mpi_built() and hvd.gloo_built()
 PY
 }
 if ! horovod_ok; then
-  TAG="$("$PY" -c 'import sys, torch; print(f"torch{torch.__version__.split("+")[0]}-cp{sys.version_info[0]}{sys.version_info[1]}")')"
+  TAG="$("$PY" -c 'import sys, torch; print("torch%s-cp%d%d" % (torch.__version__.split("+")[0], *sys.version_info[:2]))')"
   WHEELDIR="$CACHE/horovod-$HOROVOD_VERSION-$TAG"
   if ! ls "$WHEELDIR"/horovod-*.whl >/dev/null 2>&1; then
     log "building Horovod $HOROVOD_VERSION for $TAG (about 10 minutes on 2 cores)"
@@ -87,7 +87,7 @@ if ! horovod_ok; then
 fi
 
 # --- hvd_sparse itself (editable) ---------------------------------------------------------
-if ! "$PY" -c 'import hvd_sparse, sys; sys.exit(0 if hvd_sparse.__file__.startswith(sys.argv[1]) else 1)' "$ROOT" >/dev/null 2>&1; then
+if ! (cd / && "$PY" -c 'import hvd_sparse, sys; sys.exit(0 if hvd_sparse.__file__.startswith(sys.argv[1]) else 1)' "$ROOT") >/dev/null 2>&1; then
   log "installing hvd_sparse (editable)"
   pipi --no-deps --no-build-isolation -e "$ROOT"
 fi

@@ -1,0 +1,133 @@
+"""Deterministic grouping of parameters into flat buckets.
+
+A bucket is the unit of selection and communication: its gradients are flattened into one vector,
+Top-K (or another sparsifier) runs over that vector, and one payload is sent for it. Buckets are
+formed from parameter names and the optimizer's parameter order only, so every rank builds the
+same buckets with no collective.
+
+Scopes:
+  * ``"tensor"``: one bucket per parameter (layer-wise selection, finest overlap);
+  * ``"model"``: one bucket per dtype/device holding every parameter (global selection);
+  * ``"bucket"``: parameters in reverse order (the order backward produces them) packed into
+    buckets of at most ``bucket_cap_mb``.
+Horovod's ``groups`` (a list of parameter lists, or a number of groups) defines buckets directly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from . import wire
+
+SCOPES = ("tensor", "model", "bucket")
+
+
+@dataclass
+class Bucket:
+    index: int
+    name: str
+    params: List[torch.nn.Parameter]
+    names: List[str]
+    dtype: torch.dtype
+    sparse: bool
+    numel: int = 0
+    offsets: List[int] = field(default_factory=list)
+    tag: int = 0
+    index_dtype: torch.dtype = torch.int32
+
+    def __post_init__(self):
+        off = 0
+        self.offsets = []
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        self.tag = wire.fingerprint(self.name, self.numel)
+        self.index_dtype = wire.index_dtype_for(self.numel)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+
+def _split_list(items: list, n: int) -> List[list]:
+    """Split into n contiguous, near-equal chunks (Horovod's rule for ``groups=int``)."""
+    d, r = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + d + (1 if i < r else 0)
+        if end > start:
+            out.append(items[start:end])
+        start = end
+    return out
+
+
+def _bucket_name(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]}+{len(names) - 1}more"
+
+
+def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str = "tensor",
+                 bucket_cap_mb: float = 25.0, groups=None,
+                 min_sparse_numel: int = 1024) -> List[Bucket]:
+    """Group ``(name, parameter)`` pairs (in optimizer order) into buckets.
+
+    Buckets whose total size is below ``min_sparse_numel`` entries are sent dense.
+    """
+    if scope not in SCOPES:
+        raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
+    params = list(params)
+    name_of = {id(p): n for n, p in params}
+    chunks: List[List[Tuple[str, torch.nn.Parameter]]] = []
+
+    if groups is not None:
+        if isinstance(groups, int):
+            chunks = [list(c) for c in _split_list(params, groups)]
+        else:
+            grouped = set()
+            by_id = {id(p): (n, p) for n, p in params}
+            for g in groups:
+                chunk = [by_id[id(p)] for p in g if id(p) in by_id]
+                grouped.update(id(p) for p in g)
+                if chunk:
+                    chunks.append(chunk)
+            chunks += [[(n, p)] for n, p in params if id(p) not in grouped]
+    elif scope == "tensor":
+        chunks = [[np_] for np_ in params]
+    elif scope == "model":
+        keyed = {}
+        for n, p in params:
+            keyed.setdefault((str(p.dtype), str(p.device)), []).append((n, p))
+        chunks = list(keyed.values())
+    else:
+        cap = bucket_cap_mb * 2**20
+        current, size = [], 0
+        for n, p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if current and (size + nbytes > cap or p.dtype != current[0][1].dtype):
+                chunks.append(current)
+                current, size = [], 0
+            current.append((n, p))
+            size += nbytes
+        if current:
+            chunks.append(current)
+
+    buckets = []
+    for chunk in chunks:
+        dtypes = {p.dtype for _, p in chunk}
+        if len(dtypes) > 1:
+            raise ValueError(f"a group mixes dtypes {sorted(map(str, dtypes))}: "
+                             f"{[n for n, _ in chunk]}; put parameters of one dtype in a group")
+        names = [n for n, _ in chunk]
+        numel = sum(p.numel() for _, p in chunk)
+        buckets.append(Bucket(index=len(buckets), name=_bucket_name(names),
+                              params=[p for _, p in chunk], names=names,
+                              dtype=chunk[0][1].dtype, sparse=numel >= min_sparse_numel))
+    seen = {}
+    for b in buckets:
+        if b.name in seen:
+            raise ValueError(f"two buckets are both named {b.name!r}")
+        seen[b.name] = b
+    del name_of
+    return buckets

@@ -1,0 +1,482 @@
+"""The drop-in ``DistributedOptimizer``: sparse allgather with error feedback, both directions.
+
+Like Horovod's, the returned object is an instance of a subclass of the user's optimizer class
+created on the fly, so ``isinstance(opt, torch.optim.SGD)`` still holds and the user's optimizer
+state, hooks and schedulers are kept. Only the gradient exchange differs:
+
+  hook (per parameter, during backward)   when a bucket is complete:
+      acc = flat(grads) + uplink residual; idx = sparsifier(acc); residual keeps the rest;
+      payload = header|idx|values; allgather_async(payload, name derived from parameter names)
+  synchronize() (from step())
+      buckets not launched yet (no gradient on this rank, or fewer backward passes) go now,
+      with zeros for missing gradients, as Horovod does;
+      decode P payloads in rank order; dense = sum; average;
+      bidirectional: agg = dense + downlink residual; idx' = sparsifier(agg); p.grad <- agg[idx']
+      (every rank computes the same idx' from the same bytes, so no server is needed).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from . import aggregation, buckets as bucketing, wire
+from .feedback import Residual
+from .sparsifiers import Sparsifier, make_sparsifier
+from .stats import CommunicationStats
+
+STATE_KEY = "hvd_sparse"
+STATE_FORMAT = 1
+
+
+class _Options:
+    """Validated configuration of one optimizer (everything that must agree across ranks)."""
+
+    def __init__(self, *, density, downlink_density, bidirectional, sparsifier,
+                 downlink_sparsifier, average, predivide, compression, sparse_as_dense,
+                 backward_passes_per_step):
+        self.density = density
+        self.downlink_density = downlink_density
+        self.bidirectional = bidirectional
+        self.sparsifier = sparsifier
+        self.downlink_sparsifier = downlink_sparsifier
+        self.average = average
+        self.predivide = predivide
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.backward_passes_per_step = backward_passes_per_step
+
+
+class _SparseDistributedOptimizer(torch.optim.Optimizer):
+    """Methods grafted onto a subclass of the user's optimizer class (see ``DistributedOptimizer``).
+
+    ``_hs_base`` is the user's class; its methods are called explicitly, never through ``super()``,
+    because this body is copied into a class created at run time.
+    """
+
+    _hs_base = torch.optim.Optimizer
+
+    # ----------------------------------------------------------------- set-up
+    def _hs_init(self, named_parameters, transport, options: _Options, buckets):
+        self._hs = options
+        self._hs_transport = transport
+        self._parameter_names = {p: n for n, p in named_parameters}
+        self.backward_passes_per_step = options.backward_passes_per_step
+        self._hs_buckets = buckets
+        self._hs_bucket_of = {p: b for b in buckets for p in b.params}
+        self._requires_update = set(self._hs_bucket_of)
+        self._allreduce_delay = {p: self.backward_passes_per_step for p in self._hs_bucket_of}
+        self._hs_ready = {b.index: 0 for b in buckets}
+        self._hs_inflight = {}
+        self._hs_touched = False
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hs_uplink = {b.index: Residual(b.numel, aggregation.accumulation_dtype(b.dtype))
+                           for b in buckets if b.sparse}
+        self._hs_downlink = {b.index: Residual(b.numel, aggregation.accumulation_dtype(b.dtype))
+                             for b in buckets if b.sparse}
+        self._hs_stats = CommunicationStats()
+        self._hs_steps = 0
+        self._hs_hook_handles = []
+        if transport.included():
+            for p in self._hs_bucket_of:
+                self._hs_hook_handles.append(
+                    p.register_post_accumulate_grad_hook(self._hs_make_hook(p)))
+
+    # ----------------------------------------------------------------- hooks
+    def _hs_make_hook(self, p):
+        def hook(_param):
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    "locally.")
+            self._hs_touched = True
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] == 0:
+                b = self._hs_bucket_of[p]
+                self._hs_ready[b.index] += 1
+                if self._hs_ready[b.index] == len(b.params) and b.index not in self._hs_inflight:
+                    self._hs_launch(b)
+        return hook
+
+    # ----------------------------------------------------------------- one bucket
+    def _hs_flat_grad(self, b):
+        """Flatten the bucket's gradients (zeros where a parameter has none, as Horovod does)."""
+        flats, sparse_grads = [], []
+        for p, name in zip(b.params, b.names):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            g = p.grad
+            if not (g.dtype.is_floating_point):
+                raise TypeError(f"parameter '{name}' has a gradient of dtype {g.dtype}; "
+                                "hvd_sparse sparsifies floating-point gradients only")
+            if g.is_sparse:
+                # A sparse gradient is sent as the dense vector it stands for and handed back
+                # sparse (Horovod's sparse_as_dense), since selection needs the dense values.
+                sparse_grads.append(p)
+                g = g.to_dense()
+            flats.append(g.reshape(-1))
+        flat = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
+        return flat, sparse_grads
+
+    def _hs_launch(self, b):
+        o = self._hs
+        flat, sparse_grads = self._hs_flat_grad(b)
+        name = f"hvd_sparse.{b.index}.{b.name}"
+        if not b.sparse:
+            wire_t, ctx = o.compression.compress(flat)
+            prescale, postscale = (1.0 / o.predivide, o.predivide) if o.average else (1.0, 1.0)
+            handle = self._hs_transport.allreduce_async(
+                wire_t, name, average=o.average, prescale=prescale, postscale=postscale)
+            self._hs_inflight[b.index] = ("dense", handle, ctx, wire_t.numel() * wire_t.element_size(),
+                                          sparse_grads)
+            return
+        residual = self._hs_uplink[b.index]
+        acc = residual.accumulate(flat)
+        idx = o.sparsifier.select(acc, o.density)
+        values = acc[idx]
+        scaled = values.to(b.dtype)
+        if o.average and o.predivide != 1.0:
+            scaled = scaled * (1.0 / o.predivide)
+        wire_values, ctx = o.compression.compress(scaled)
+        sent = o.compression.decompress(wire_values, ctx).to(values.dtype)
+        if o.average and o.predivide != 1.0:
+            sent = sent * o.predivide
+        residual.settle(idx, sent)  # what the wire lost (selection, rounding) stays for later
+        payload = wire.encode(idx, wire_values, index_dtype=b.index_dtype, tag=b.tag)
+        handle = self._hs_transport.allgather_async(payload, name)
+        self._hs_inflight[b.index] = ("sparse", handle, ctx, payload.numel(), sparse_grads,
+                                      idx.numel())
+
+    def _hs_finish(self, b):
+        o = self._hs
+        kind, handle, ctx, nbytes, sparse_grads, *rest = self._hs_inflight[b.index]
+        size = self._hs_transport.size()
+        acc_dtype = aggregation.accumulation_dtype(b.dtype)
+        if kind == "dense":
+            out = o.compression.decompress(self._hs_transport.wait(handle), ctx)
+            self._hs_stats.record(b.name, sent=nbytes, received=nbytes, dense=b.nbytes,
+                                  selected=b.numel, numel=b.numel)
+        else:
+            gathered = self._hs_transport.wait(handle)
+            payloads = wire.decode_all(gathered, size, tag=b.tag, numel=b.numel, bucket=b.name)
+            for p in payloads:
+                p.values = o.compression.decompress(p.values, ctx)
+            device = b.params[0].device
+            dense = aggregation.aggregate(payloads, b.numel, acc_dtype, device)
+            scale = (o.predivide / size) if o.average else 1.0
+            if scale != 1.0:
+                dense.mul_(scale)
+            if o.bidirectional:
+                residual = self._hs_downlink[b.index]
+                agg = residual.accumulate(dense)
+                idx = o.downlink_sparsifier.select(agg, o.downlink_density)
+                values = agg[idx]
+                residual.settle(idx, values)
+                out = torch.zeros(b.numel, dtype=acc_dtype, device=device)
+                out[idx] = values
+            else:
+                out = dense
+            self._hs_stats.record(b.name, sent=nbytes, received=gathered.numel() - nbytes,
+                                  dense=b.nbytes, selected=rest[0], numel=b.numel)
+        for p, off in zip(b.params, b.offsets):
+            seg = out[off:off + p.numel()].view(p.shape).to(p.dtype)
+            if p in sparse_grads:
+                p.grad = seg.to_sparse()
+            else:
+                p.grad.copy_(seg)
+
+    # ----------------------------------------------------------------- Horovod's API
+    def synchronize(self):
+        """Finish every bucket's exchange and write the result into ``p.grad``."""
+        if not self._hs_transport.included():
+            self._synchronized = True
+            return
+        for b in self._hs_buckets:
+            if b.index not in self._hs_inflight:
+                self._hs_launch(b)
+        try:
+            for b in self._hs_buckets:
+                self._hs_finish(b)
+        finally:
+            self._hs_reset_round()
+        self._hs_stats.end_step()
+        self._hs_steps += 1
+        self._synchronized = True
+
+    def _hs_reset_round(self):
+        self._hs_inflight.clear()
+        self._hs_touched = False
+        for k in self._hs_ready:
+            self._hs_ready[k] = 0
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Let ``step()`` skip synchronisation after an explicit ``synchronize()``."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        return self._hs_base.step(self, closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if self._hs_touched or self._hs_inflight:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
+                                 "but before optimizer.step() or optimizer.synchronize(). "
+                                 "This is prohibited as it can cause a race condition.")
+        return self._hs_base.zero_grad(self, *args, **kwargs)
+
+    def set_backward_passes_per_step(self, passes):
+        if int(passes) <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        self.backward_passes_per_step = int(passes)
+        self._hs.backward_passes_per_step = int(passes)
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+
+    def communication_stats(self) -> dict:
+        """This rank's bytes sent/received, dense-equivalent bytes and selected counts.
+
+        Top-level keys describe the last synchronised step; ``totals`` sums every step.
+        """
+        return self._hs_stats.as_dict()
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self):
+        sd = self._hs_base.state_dict(self)
+        sd[STATE_KEY] = self._hs_state()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(STATE_KEY, None)
+        self._hs_reset_round()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hs_base.load_state_dict(self, state_dict)
+        if extra is not None:
+            self._hs_load(extra)
+
+    def _hs_state(self) -> dict:
+        t = self._hs_transport
+        return {
+            "format": STATE_FORMAT,
+            "world_size": t.size(),
+            "rank": t.rank(),
+            "steps": self._hs_steps,
+            "buckets": {b.name: {"numel": b.numel,
+                                 "uplink": self._hs_uplink[b.index].state(),
+                                 "downlink": self._hs_downlink[b.index].state()}
+                        for b in self._hs_buckets if b.sparse},
+            "sparsifier": self._hs.sparsifier.state_dict(),
+            "downlink_sparsifier": self._hs.downlink_sparsifier.state_dict(),
+            "stats": self._hs_stats.state_dict(),
+        }
+
+    def _hs_load(self, extra: dict) -> None:
+        t = self._hs_transport
+        if extra.get("format") != STATE_FORMAT:
+            raise ValueError(f"hvd_sparse state has format {extra.get('format')}, "
+                             f"this version reads {STATE_FORMAT}")
+        if extra["world_size"] != t.size():
+            raise ValueError(
+                f"this checkpoint's hvd_sparse state was written by {extra['world_size']} ranks "
+                f"and this job has {t.size()}: the per-rank uplink residuals cannot be mapped "
+                "onto a different number of ranks. Resume with the same number of ranks, or "
+                "drop the 'hvd_sparse' entry of the state dict to restart error feedback from zero.")
+        saved = extra["buckets"]
+        mine = {b.name: b for b in self._hs_buckets if b.sparse}
+        if set(saved) != set(mine):
+            raise ValueError("the checkpoint's sparse buckets differ from this optimizer's: "
+                             f"missing {sorted(set(mine) - set(saved))}, "
+                             f"unexpected {sorted(set(saved) - set(mine))}")
+        same_rank = extra["rank"] == t.rank()
+        if not same_rank:
+            warnings.warn(
+                f"loading hvd_sparse state saved by rank {extra['rank']} on rank {t.rank()}: the "
+                "replicated downlink residuals and counters are restored, this rank's uplink "
+                "residuals restart from zero (save and load one state dict per rank to keep them)")
+        for name, b in mine.items():
+            self._hs_downlink[b.index].load(saved[name]["downlink"])
+            self._hs_uplink[b.index].load(saved[name]["uplink"] if same_rank else None)
+        self._hs.sparsifier.load_state_dict(extra.get("sparsifier", {}))
+        self._hs.downlink_sparsifier.load_state_dict(extra.get("downlink_sparsifier", {}))
+        self._hs_steps = int(extra.get("steps", 0))
+        self._hs_stats.load_state_dict(extra.get("stats", {}))
+
+
+def _check_density(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value <= 1.0):
+        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _named_parameters(optimizer, named_parameters):
+    """Horovod's checks on ``named_parameters``, with its messages."""
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    else:
+        named_parameters = [(f"allreduce.noname.{i}.{j}", v)
+                            for i, group in enumerate(optimizer.param_groups)
+                            for j, v in enumerate(group["params"])]
+    if any(not isinstance(p, tuple) for p in named_parameters):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    names = [k for k, _ in named_parameters]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. "
+                         f"Found duplicates: {', '.join(dups)}")
+    all_ids = {id(v) for g in optimizer.param_groups for v in g["params"]}
+    unnamed = all_ids - {id(v) for _, v in named_parameters}
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters "
+                         f"were not named. Python object ids: {', '.join(map(str, unnamed))}")
+    return named_parameters
+
+
+def _compressor(compression):
+    if compression is None:
+        from .compat import Compression
+        return Compression.none
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError(f"compression={compression!r} has no compress/decompress; pass one of "
+                        "hvd.Compression.none or hvd.Compression.fp16 or a Compressor class")
+    return compression
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
+                         backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
+                         *, density=0.01, bidirectional=True, downlink_density=None,
+                         sparsifier="topk", scope="tensor", bucket_cap_mb=25.0,
+                         min_sparse_numel=1024, transport=None, **unknown):
+    """Wrap ``optimizer`` so gradients are exchanged sparsely (drop-in for Horovod's).
+
+    Horovod's keywords keep their meaning: ``compression`` sets the value type on the wire (its
+    rounding error is kept in the residual), ``op`` is ``Average`` or ``Sum`` (Adasum is refused:
+    it needs whole gradients), ``gradient_predivide_factor`` splits the average as in Horovod,
+    ``groups``/``num_groups`` define the buckets, ``sparse_as_dense`` is what hvd_sparse always
+    does with sparse gradients, ``process_set`` restricts the exchange.
+
+    Sparse options: ``density`` (uplink fraction kept per bucket), ``bidirectional`` (re-sparsify
+    the aggregate on every rank, with a replicated residual), ``downlink_density`` (``None``: same
+    as ``density``), ``sparsifier`` (name or :class:`hvd_sparse.Sparsifier`), ``scope``
+    (``"tensor"``, ``"model"`` or ``"bucket"`` with ``bucket_cap_mb``), ``min_sparse_numel``
+    (smaller buckets are allreduced dense), ``transport`` (a :class:`hvd_sparse.transport.Transport`;
+    default Horovod's collectives).
+    """
+    if unknown:
+        raise TypeError("hvd_sparse.DistributedOptimizer got unexpected keyword argument(s): "
+                        + ", ".join(sorted(unknown)))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if is_sparse_optimizer(optimizer):
+        raise TypeError("optimizer is already an hvd_sparse.DistributedOptimizer")
+    from . import compat
+
+    density = _check_density("density", density)
+    downlink_density = density if downlink_density is None else _check_density(
+        "downlink_density", downlink_density)
+    if not isinstance(bidirectional, bool):
+        raise TypeError(f"bidirectional must be True or False, got {bidirectional!r}")
+    op = compat.Average if op is None else op
+    if op == compat.Adasum:
+        raise ValueError("op=Adasum is not supported by hvd_sparse.DistributedOptimizer: Adasum "
+                         "combines whole gradients pairwise and has no sparse form; use "
+                         "op=hvd.Average or op=hvd.Sum, or horovod.torch.DistributedOptimizer")
+    if op != compat.Average and op != compat.Sum:
+        raise ValueError(f"op={op!r} is not supported; use hvd.Average or hvd.Sum")
+    average = op == compat.Average
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor,
+                                                                     (int, float)) \
+            or gradient_predivide_factor <= 0:
+        raise ValueError("gradient_predivide_factor must be a positive number, "
+                         f"got {gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and not average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if num_groups:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups`.", DeprecationWarning)
+        groups = num_groups if groups is None else groups
+    if groups is not None:
+        if isinstance(groups, bool) or not (isinstance(groups, list)
+                                            or (isinstance(groups, int) and groups > 0)):
+            raise ValueError("groups should be a non-negative integer or "
+                             "a list of list of torch.Tensor.")
+        if isinstance(groups, list):
+            seen = set()
+            for g in groups:
+                for p in g:
+                    if not isinstance(p, torch.Tensor):
+                        raise ValueError("groups must consist of torch.Tensor.")
+                    if id(p) in seen:
+                        raise ValueError("A parameter can only appear once in groups.")
+                    seen.add(id(p))
+    if not isinstance(sparse_as_dense, bool):
+        raise TypeError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
+    up = make_sparsifier(sparsifier)
+    # The downlink gets its own instance: a stateful method keeps separate state per direction.
+    down = make_sparsifier(sparsifier) if isinstance(sparsifier, str) else copy.deepcopy(up)
+    compression = _compressor(compression)
+    if isinstance(min_sparse_numel, bool) or not isinstance(min_sparse_numel, int) \
+            or min_sparse_numel < 0:
+        raise ValueError(f"min_sparse_numel must be a non-negative int, got {min_sparse_numel!r}")
+
+    named = _named_parameters(optimizer, named_parameters)
+    name_of = {id(p): n for n, p in named}
+    trainable = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue  # frozen: not exchanged, as in Horovod
+            if not p.dtype.is_floating_point:
+                raise TypeError(f"parameter '{name_of[id(p)]}' has dtype {p.dtype}; hvd_sparse "
+                                "sparsifies floating-point gradients only")
+            trainable.append((name_of[id(p)], p))
+    plan = bucketing.plan_buckets(trainable, scope=scope, bucket_cap_mb=bucket_cap_mb,
+                                  groups=groups, min_sparse_numel=min_sparse_numel)
+    if transport is None:
+        from .transport import HorovodTransport
+        transport = HorovodTransport(process_set)
+    elif process_set is not None:
+        raise ValueError("pass process_set to the transport, not with transport=")
+
+    base = type(optimizer)
+    body = {k: v for k, v in _SparseDistributedOptimizer.__dict__.items()
+            if k not in ("__dict__", "__weakref__")}
+    body["_hs_base"] = base
+    cls = type(base.__name__, (base,), body)
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)  # same param groups, state and hooks
+    options = _Options(density=density, downlink_density=downlink_density,
+                       bidirectional=bidirectional, sparsifier=up, downlink_sparsifier=down,
+                       average=average, predivide=float(gradient_predivide_factor),
+                       compression=compression, sparse_as_dense=sparse_as_dense,
+                       backward_passes_per_step=backward_passes_per_step)
+    wrapped._hs_init(named, transport, options, plan)
+    return wrapped
+
+
+def is_sparse_optimizer(obj) -> bool:
+    """True for optimizers returned by :func:`DistributedOptimizer`."""
+    return isinstance(obj, torch.optim.Optimizer) and hasattr(obj, "_hs_transport")
