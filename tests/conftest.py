@@ -1,0 +1,59 @@
+"""Shared helpers: run a worker script on N real ranks with mpirun or horovodrun."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def _env():
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONPATH=str(ROOT),
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def launch_command(launcher, np_, script, *args):
+    py = sys.executable
+    if launcher == "mpirun":
+        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                "-np", str(np_), py, str(script), *map(str, args)]
+    if launcher == "horovodrun":  # Horovod's own launcher with its Gloo controller
+        hr = shutil.which("horovodrun") or str(Path(py).parent / "horovodrun")
+        return [hr, "--gloo", "-np", str(np_), "-H", f"localhost:{np_}", py, str(script),
+                *map(str, args)]
+    raise ValueError(launcher)
+
+
+def run_ranks(launcher, np_, worker, outdir, *args, timeout=240):
+    """Run ``tests/workers/<worker>`` on ``np_`` ranks; return the per-rank JSON results."""
+    cmd = launch_command(launcher, np_, WORKERS / worker, outdir, *args)
+    try:
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{launcher} -np {np_} {worker} hung past {timeout}s:\n{e.stdout}\n{e.stderr}")
+    results = []
+    for r in range(np_):
+        path = Path(outdir) / f"rank{r}.json"
+        if not path.exists():
+            pytest.fail(f"rank {r} wrote no result (exit {proc.returncode}):\n"
+                        f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        results.append(json.loads(path.read_text()))
+    return proc, results
+
+
+@pytest.fixture(scope="session")
+def mpi_available():
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun is not installed (run launch/setup.sh)")
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError:
+        pytest.skip("Horovod is not installed (run launch/setup.sh)")

@@ -1,0 +1,143 @@
+"""Single-process properties of the building blocks, each against a numpy reference."""
+import numpy as np
+import pytest
+import torch
+
+from hvd_sparse import aggregation, buckets, wire
+from hvd_sparse.feedback import Residual
+from hvd_sparse.sparsifiers import TopK, k_for_density, make_sparsifier, topk_indices
+
+
+def topk_reference(x, k):
+    """numpy: largest magnitudes first, lowest index first among equals; sorted positions."""
+    order = np.lexsort((np.arange(x.size), -np.abs(x)))
+    return np.sort(order[:k])
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 10), (4096, 41), (777, 776)])
+def test_topk_matches_numpy_reference(seed, n, k):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    got = topk_indices(x, k).numpy()
+    assert np.array_equal(got, topk_reference(x.numpy(), k))
+
+
+def test_topk_ties_break_by_lowest_index():
+    x = torch.tensor([1.0, -3.0, 2.0, 3.0, -2.0, 2.0, 0.5, 2.0])
+    # |3| twice, then three 2s at 2, 4, 5, 7 of which the lowest two are kept
+    assert topk_indices(x, 4).tolist() == [1, 2, 3, 4]
+    assert topk_indices(torch.ones(10), 3).tolist() == [0, 1, 2]
+    q = torch.zeros(100)
+    q[[5, 50, 95]] = torch.tensor([-1.0, 1.0, -1.0])
+    assert topk_indices(q, 2).tolist() == [5, 50]
+
+
+def test_topk_edge_counts():
+    x = torch.randn(20)
+    assert topk_indices(x, 0).numel() == 0
+    assert topk_indices(x, 25).tolist() == list(range(20))
+    assert k_for_density(1000, 0.01) == 10
+    assert k_for_density(10, 0.01) == 1
+    assert k_for_density(0, 0.5) == 0
+    assert TopK().select(x, 0.25).numel() == 5
+    with pytest.raises(ValueError, match="not known"):
+        make_sparsifier("bogus")
+
+
+@pytest.mark.parametrize("dtype,wire_dtype", [(torch.float32, torch.float32),
+                                              (torch.float32, torch.float16),
+                                              (torch.float32, torch.bfloat16),
+                                              (torch.float64, torch.float64)])
+def test_error_feedback_conserves_mass_exactly(dtype, wire_dtype):
+    g = torch.Generator().manual_seed(0)
+    res = Residual(5000, dtype)
+    for step in range(5):
+        grad = torch.randn(5000, generator=g, dtype=dtype) * 10 ** (step - 2)
+        before = grad + (res.buffer if res.buffer is not None else 0)
+        acc = res.accumulate(grad)
+        assert torch.equal(acc, before)
+        idx = topk_indices(acc, 50)
+        sent = acc[idx].to(wire_dtype).to(dtype)  # what the wire carries
+        res.settle(idx, sent)
+        rebuilt = res.buffer.clone()
+        rebuilt[idx] += sent
+        assert torch.equal(rebuilt, before), "sent + residual must equal acc bit for bit"
+        if wire_dtype == dtype:
+            assert torch.all(res.buffer[idx] == 0)
+
+
+@pytest.mark.parametrize("numel,vdtype", [(100, torch.float32), (70000, torch.float16),
+                                          (5, torch.bfloat16), (1000, torch.float64)])
+@pytest.mark.parametrize("count", [0, 1, 3, 64])
+def test_payload_round_trips(numel, vdtype, count):
+    g = torch.Generator().manual_seed(count)
+    count = min(count, numel)
+    idx = torch.sort(torch.randperm(numel, generator=g)[:count]).values
+    vals = torch.randn(count, generator=g).to(vdtype)
+    idt = wire.index_dtype_for(numel)
+    tag = wire.fingerprint("layer.weight", numel)
+    buf = wire.encode(idx, vals, index_dtype=idt, tag=tag)
+    assert buf.dtype == torch.uint8 and buf.numel() % 8 == 0
+    assert buf.numel() == wire.payload_nbytes(count, idt, vdtype)
+    both = torch.cat([buf, buf])  # what an allgather of two ranks returns
+    out = wire.decode_all(both, 2, tag=tag, numel=numel, bucket="layer.weight")
+    for p in out:
+        assert torch.equal(p.indices, idx)
+        assert p.values.dtype == vdtype and torch.equal(p.values, vals)
+
+
+def test_payload_index_width_switches_to_int64():
+    assert wire.index_dtype_for(2**31) == torch.int32  # last index 2**31 - 1 still fits
+    assert wire.index_dtype_for(2**31 + 1) == torch.int64
+    idx = torch.tensor([0, 5, 2**31 + 7])
+    buf = wire.encode(idx, torch.ones(3), index_dtype=torch.int64, tag=1)
+    (p,) = wire.decode_all(buf, 1, tag=1, numel=2**32, bucket="big")
+    assert p.indices.tolist() == idx.tolist()
+
+
+def test_payload_mismatch_is_reported():
+    a = wire.encode(torch.tensor([1]), torch.ones(1), index_dtype=torch.int32,
+                    tag=wire.fingerprint("a", 10))
+    b = wire.encode(torch.tensor([1]), torch.ones(1), index_dtype=torch.int32,
+                    tag=wire.fingerprint("b", 10))
+    with pytest.raises(wire.PayloadError, match="different bucket"):
+        wire.decode_all(torch.cat([a, b]), 2, tag=wire.fingerprint("a", 10), numel=10, bucket="a")
+    with pytest.raises(wire.PayloadError, match="world size"):
+        wire.decode_all(torch.cat([a, a]), 1, tag=wire.fingerprint("a", 10), numel=10, bucket="a")
+    with pytest.raises(wire.PayloadError, match="past the end"):
+        wire.decode_all(a, 1, tag=wire.fingerprint("a", 10), numel=1, bucket="a")
+
+
+def test_aggregation_is_independent_of_arrival_order():
+    g = torch.Generator().manual_seed(3)
+    n, ranks = 1000, 5
+    payloads = {}
+    for r in range(ranks):
+        idx = torch.sort(torch.randperm(n, generator=g)[:200]).values
+        payloads[r] = wire.Payload(idx, torch.randn(200, generator=g) * 10 ** r, 0)
+    ref = aggregation.aggregate([payloads[r] for r in range(ranks)], n, torch.float32, "cpu")
+    for perm in ([4, 2, 0, 3, 1], [1, 0, 2, 3, 4], [3, 4, 1, 2, 0]):
+        arrived = {r: payloads[r] for r in perm}  # dict in arrival order
+        assert torch.equal(aggregation.aggregate(arrived, n, torch.float32, "cpu"), ref)
+    dense64 = np.zeros(n)
+    for r in range(ranks):
+        np.add.at(dense64, payloads[r].indices.numpy(), payloads[r].values.double().numpy())
+    assert np.allclose(ref.double().numpy(), dense64, rtol=1e-5, atol=1e-3)
+
+
+def test_bucket_plans_are_deterministic_and_complete():
+    m = torch.nn.Sequential(torch.nn.Linear(10, 200), torch.nn.Linear(200, 30),
+                            torch.nn.Linear(30, 2))
+    named = list(m.named_parameters())
+    for scope in buckets.SCOPES:
+        plan = buckets.plan_buckets(named, scope=scope, bucket_cap_mb=0.01, min_sparse_numel=100)
+        again = buckets.plan_buckets(named, scope=scope, bucket_cap_mb=0.01, min_sparse_numel=100)
+        assert [(b.name, b.numel, b.tag) for b in plan] == [(b.name, b.numel, b.tag) for b in again]
+        covered = sorted(n for b in plan for n in b.names)
+        assert covered == sorted(n for n, _ in named)
+        assert all(b.sparse == (b.numel >= 100) for b in plan)
+    assert len(buckets.plan_buckets(named, scope="tensor")) == 6
+    assert len(buckets.plan_buckets(named, scope="model")) == 1
+    explicit = buckets.plan_buckets(named, groups=[[m[0].weight, m[0].bias]])
+    assert explicit[0].names == ["0.weight", "0.bias"] and len(explicit) == 5
+    assert len(buckets.plan_buckets(named, groups=2)) == 2

@@ -1,0 +1,298 @@
+"""Multi-rank scenarios for the drop-in optimizer, run by tests/test_multirank.py under
+mpirun or horovodrun. Each rank writes its findings to OUTDIR/rank<r>.json; the pytest side
+asserts on them. Every scenario runs on every rank, so a hang shows up as the launcher's timeout.
+"""
+import copy
+import hashlib
+import json
+import os
+import sys
+import traceback
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import hvd_sparse as hvd
+
+torch.set_num_threads(1)
+
+
+def make_model(seed, extra=False):
+    torch.manual_seed(seed)
+    layers = torch.nn.ModuleDict({
+        "l1": torch.nn.Linear(20, 48),
+        "l2": torch.nn.Linear(48, 5),
+    })
+    if extra:
+        layers["side"] = torch.nn.Linear(20, 5)
+    return layers
+
+
+def forward(m, x, use_side=False):
+    out = m["l2"](torch.tanh(m["l1"](x)))
+    if use_side:
+        out = out + m["side"](x)
+    return out
+
+
+def batch(step, rank, n=16):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 20, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+def flat_params(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def digest(t):
+    return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+
+
+def all_equal_digest(t):
+    """True when every rank holds bitwise the same tensor."""
+    d = digest(t)
+    ds = hvd.allgather_object(d)
+    return all(x == ds[0] for x in ds)
+
+
+# ------------------------------------------------------------------ float64 reference
+def topk_np(x, k):
+    n = x.size
+    if k >= n:
+        return np.arange(n)
+    mag = np.abs(x)
+    order = np.lexsort((np.arange(n), -mag))  # by magnitude desc, then index asc
+    return np.sort(order[:k])
+
+
+def k_for(n, density):
+    import math
+    return min(n, max(1, math.ceil(density * n)))
+
+
+def scenario_reference(res):
+    """Each applied gradient equals a float64 simulation of the algorithm over all ranks."""
+    size, rank = hvd.size(), hvd.rank()
+    m = make_model(1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
+                                   named_parameters=m.named_parameters(), density=0.1,
+                                   downlink_density=0.05, min_sparse_numel=0)
+    names = [n for n, _ in m.named_parameters()]
+    up = [{n: 0.0 for n in names} for _ in range(size)]
+    down = {n: 0.0 for n in names}
+    worst = 0.0
+    for step in range(6):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        F.cross_entropy(forward(m, x), y).backward()
+        raw = {n: p.grad.detach().reshape(-1).clone() for n, p in m.named_parameters()}
+        gathered = {n: hvd.allgather(raw[n][None], name=f"ref.raw.{n}").double().numpy()
+                    for n in names}
+        opt.synchronize()
+        for n, p in m.named_parameters():
+            numel = p.numel()
+            dense = np.zeros(numel)
+            for r in range(size):
+                acc = gathered[n][r] + up[r][n]
+                idx = topk_np(acc, k_for(numel, 0.1))
+                dense[idx] += acc[idx]
+                acc = acc.copy()
+                acc[idx] = 0.0
+                up[r][n] = acc
+            dense /= size
+            agg = dense + down[n]
+            idx = topk_np(agg, k_for(numel, 0.05))
+            expected = np.zeros(numel)
+            expected[idx] = agg[idx]
+            agg = agg.copy()
+            agg[idx] = 0.0
+            down[n] = agg
+            got = p.grad.detach().reshape(-1).double().numpy()
+            scale = max(np.abs(expected).max(), 1e-12)
+            worst = max(worst, float(np.abs(got - expected).max() / scale))
+        with opt.skip_synchronize():
+            opt.step()
+    res["reference_max_rel_err"] = worst
+
+
+def train(m, opt, steps, start=0, use_side=None):
+    rank = hvd.rank()
+    for step in range(start, start + steps):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        side = use_side(step) if use_side else False
+        F.cross_entropy(forward(m, x, side), y).backward()
+        opt.step()
+
+
+def scenario_bitwise(res):
+    """200 steps, bidirectional, momentum: parameters and downlink residuals identical."""
+    for scope in ("tensor", "model"):
+        m = make_model(2)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=m.named_parameters(), density=0.02, scope=scope, min_sparse_numel=0)
+        hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+        start = flat_params(m).clone()
+        train(m, opt, 200)
+        down = torch.cat([r.buffer for r in opt._hs_downlink.values()])
+        up = torch.cat([r.buffer for r in opt._hs_uplink.values()])
+        res[f"bitwise_{scope}_params_equal"] = all_equal_digest(flat_params(m))
+        res[f"bitwise_{scope}_downlink_equal"] = all_equal_digest(down)
+        res[f"bitwise_{scope}_uplink_differs"] = not all_equal_digest(up)
+        res[f"bitwise_{scope}_moved"] = float((flat_params(m) - start).abs().max())
+        stats = opt.communication_stats()
+        res[f"bitwise_{scope}_stats"] = stats
+
+
+def scenario_dense_equivalence(res):
+    """density=1.0 follows the same trajectory as horovod.torch.DistributedOptimizer."""
+    import horovod.torch as real_hvd
+    for bpps in (1, 2):
+        trajectories = []
+        for which in ("horovod", "sparse"):
+            m = make_model(3)
+            base = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+            if which == "horovod":
+                opt = real_hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(),
+                                                    backward_passes_per_step=bpps)
+            else:
+                opt = hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(),
+                                               density=1.0, min_sparse_numel=0,
+                                               backward_passes_per_step=bpps)
+            rank = hvd.rank()
+            for step in range(20):
+                opt.zero_grad()
+                for micro in range(bpps):
+                    x, y = batch(10 * step + micro, rank)
+                    F.cross_entropy(forward(m, x), y).backward()
+                opt.step()
+            trajectories.append(flat_params(m))
+        res[f"dense_equiv_bpps{bpps}_max_abs_diff"] = float(
+            (trajectories[0] - trajectories[1]).abs().max())
+
+
+def scenario_bpps_guards(res):
+    """backward_passes_per_step=2: zero_grad between passes and a third pass raise, as Horovod."""
+    m = make_model(4)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters(),
+                                   backward_passes_per_step=2, min_sparse_numel=0)
+    x, y = batch(0, hvd.rank())
+    F.cross_entropy(forward(m, x), y).backward()
+    try:
+        opt.zero_grad()
+        res["zero_grad_guard"] = "no error"
+    except AssertionError as e:
+        res["zero_grad_guard"] = str(e)
+    F.cross_entropy(forward(m, x), y).backward()
+    try:
+        F.cross_entropy(forward(m, x), y).backward()
+        res["third_pass_guard"] = "no error"
+    except AssertionError as e:
+        res["third_pass_guard"] = str(e)
+    opt.step()
+    opt.set_backward_passes_per_step(1)
+    opt.zero_grad()
+    F.cross_entropy(forward(m, x), y).backward()
+    opt.step()
+    res["bpps_guard_survived"] = True
+
+
+def scenario_missing_grad(res):
+    """A parameter only rank 0 uses: no hang, identical replicas, the others get zeros+avg."""
+    m = make_model(5, extra=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters(), density=0.2,
+                                   min_sparse_numel=0)
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    side0 = m["side"].weight.detach().clone()
+    train(m, opt, 10, use_side=lambda step: hvd.rank() == 0)
+    res["missing_grad_params_equal"] = all_equal_digest(flat_params(m))
+    res["missing_grad_side_moved"] = float((m["side"].weight.detach() - side0).abs().max())
+
+
+def scenario_checkpoint(res):
+    """Checkpoint at step 50 and resume to 100 equals 100 uninterrupted steps, bitwise."""
+    def build():
+        m = make_model(6)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                       named_parameters=m.named_parameters(), density=0.05,
+                                       min_sparse_numel=0)
+        return m, opt
+
+    m, opt = build()
+    train(m, opt, 100)
+    straight = flat_params(m).clone()
+
+    m, opt = build()
+    train(m, opt, 50)
+    ckpt = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict()})
+    res["checkpoint_has_residuals"] = all(
+        v["uplink"] is not None and v["downlink"] is not None
+        for v in ckpt["opt"]["hvd_sparse"]["buckets"].values())
+    m2, opt2 = build()
+    m2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    train(m2, opt2, 50, start=50)
+    res["checkpoint_resume_bitwise"] = bool(torch.equal(straight, flat_params(m2)))
+    res["checkpoint_steps"] = opt2.communication_stats()["steps"]
+
+
+def scenario_bad_input(res):
+    """Bad arguments raise the same clear error on every rank; the job goes on."""
+    m = make_model(7)
+    base = torch.optim.SGD(m.parameters(), lr=0.1)
+    cases = {
+        "density_zero": dict(density=0.0),
+        "density_above_one": dict(density=1.5),
+        "downlink_negative": dict(downlink_density=-0.1),
+        "unknown_keyword": dict(denisty=0.1),
+        "adasum": dict(op=hvd.Adasum),
+        "predivide_with_sum": dict(op=hvd.Sum, gradient_predivide_factor=2.0),
+        "bpps_zero": dict(backward_passes_per_step=0),
+        "bad_sparsifier": dict(sparsifier="nope"),
+    }
+    errors = {}
+    for name, kwargs in cases.items():
+        try:
+            hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(), **kwargs)
+            errors[name] = None
+        except (ValueError, TypeError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    cm = torch.nn.Linear(3, 3).to(torch.complex64)
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(cm.parameters(), lr=0.1),
+                                 named_parameters=cm.named_parameters())
+        errors["complex_param"] = None
+    except TypeError as e:
+        errors["complex_param"] = f"TypeError: {e}"
+    res["bad_input_errors"] = errors
+    hvd.allreduce(torch.ones(1), name="after.bad.input")  # still in step with the others
+    res["bad_input_survived"] = True
+
+
+SCENARIOS = [scenario_bad_input, scenario_reference, scenario_bitwise, scenario_dense_equivalence,
+             scenario_bpps_guards, scenario_missing_grad, scenario_checkpoint]
+
+
+def main():
+    outdir = sys.argv[1]
+    only = set(sys.argv[2:])
+    hvd.init()
+    res = {"size": hvd.size(), "rank": hvd.rank()}
+    for fn in SCENARIOS:
+        if only and fn.__name__ not in only:
+            continue
+        try:
+            fn(res)
+        except Exception:
+            res.setdefault("errors", {})[fn.__name__] = traceback.format_exc()
+    with open(os.path.join(outdir, f"rank{hvd.rank()}.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
