@@ -62,3 +62,26 @@ class HorovodTransport(Transport):
 
     def wait(self, handle):
         return self._hvd.synchronize(handle)
+
+
+class LocalTransport(Transport):
+    """A world of one rank: no communication at all.
+
+    For single-process runs and tests of the optimizer's own logic (selection, error feedback,
+    checkpoints) without Horovod or MPI.
+    """
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+    def allgather_async(self, payload, name):
+        return payload
+
+    def allreduce_async(self, tensor, name, *, average, prescale=1.0, postscale=1.0):
+        return tensor.mul_(prescale * postscale)
+
+    def wait(self, handle):
+        return handle

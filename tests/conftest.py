@@ -20,15 +20,17 @@ def _env():
     return env
 
 
-def launch_command(launcher, np_, script, *args):
+def launch_command(launcher, np_, *python_args):
+    """The command that runs ``python *python_args`` on ``np_`` local ranks."""
     py = sys.executable
+    args = list(map(str, python_args))
     if launcher == "mpirun":
         return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-                "-np", str(np_), py, str(script), *map(str, args)]
+                "-np", str(np_), py, *args]
     if launcher == "horovodrun":  # Horovod's own launcher with its Gloo controller
-        hr = shutil.which("horovodrun") or str(Path(py).parent / "horovodrun")
-        return [hr, "--gloo", "-np", str(np_), "-H", f"localhost:{np_}", py, str(script),
-                *map(str, args)]
+        hr = Path(py).parent / "horovodrun"
+        hr = str(hr) if hr.exists() else shutil.which("horovodrun")
+        return [hr, "--gloo", "-np", str(np_), "-H", f"localhost:{np_}", py, *args]
     raise ValueError(launcher)
 
 

@@ -1,0 +1,56 @@
+"""Models for the training entry point."""
+import torch
+from torch import nn
+
+
+class _Block(nn.Module):
+    """A basic residual block (two 3x3 convolutions, batch norm, identity or 1x1 shortcut)."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.short = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                       nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.short(x))
+
+
+class SmallResNet(nn.Module):
+    """A ResNet-style CNN for 28x28 grey images, small enough to train on two CPU cores."""
+
+    def __init__(self, classes=10, width=16):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, width, 3, 1, 1, bias=False),
+                                  nn.BatchNorm2d(width), nn.ReLU())
+        self.layer1 = _Block(width, width, 1)
+        self.layer2 = _Block(width, 2 * width, 2)
+        self.layer3 = _Block(2 * width, 4 * width, 2)
+        self.head = nn.Linear(4 * width, classes)
+
+    def forward(self, x):
+        x = self.layer3(self.layer2(self.layer1(self.stem(x))))
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+class SimpleCNN(nn.Module):
+    """Two convolutions and two dense layers (about 420k parameters)."""
+
+    def __init__(self, classes=10):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(),
+                                        nn.Linear(128, classes))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+MODELS = {"resnet": SmallResNet, "cnn": SimpleCNN}
