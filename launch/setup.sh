@@ -39,7 +39,9 @@ if [ ! -x "$PY" ]; then
     "$BASE_PY" -m venv "$VENV"
   fi
 fi
-pipi() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
+# (pip's notes about this machine's absent local index folders are filtered out; errors are kept)
+pipi() { "$PY" -m pip install -q --disable-pip-version-check "$@" \
+           2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2); }
 
 if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
   log "installing torch==$TORCH_VERSION"

@@ -79,3 +79,26 @@ def test_single_process_training_with_local_transport():
         first = first if first is not None else loss.item()
         assert opt.communication_stats()["selected"] == 2  # ceil(0.1 * 20)
     assert loss.item() < 1e-3 * first
+
+
+def test_fp16_compression_rounding_stays_in_the_residual():
+    """compression=Compression.fp16: fp16 values on the wire, the rounding error kept locally."""
+    from hvd_sparse.compat import Compression
+
+    m = torch.nn.Linear(64, 32, bias=False)
+    opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0),
+                                          named_parameters=m.named_parameters(), density=0.25,
+                                          bidirectional=False, compression=Compression.fp16,
+                                          transport=LocalTransport())
+    torch.manual_seed(1)
+    m(torch.randn(8, 64)).pow(2).sum().backward()
+    raw = m.weight.grad.detach().clone().reshape(-1)
+    opt.step()
+    applied = m.weight.grad.detach().reshape(-1)
+    residual = opt._hs_uplink[0].buffer
+    sent = applied != 0
+    assert int(sent.sum()) == 512  # ceil(0.25 * 2048)
+    assert torch.equal(applied[sent], raw[sent].half().float())  # values went as fp16
+    assert torch.equal(applied + residual, raw)  # nothing lost, bit for bit
+    stats = opt.communication_stats()
+    assert stats["bytes_sent"] == 16 + 512 * 4 + 512 * 2  # header, int32 indices, fp16 values

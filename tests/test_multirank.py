@@ -25,7 +25,7 @@ def test_applied_gradient_matches_float64_reference(core):
         assert r["reference_max_rel_err"] < 1e-5
 
 
-@pytest.mark.parametrize("scope", ["tensor", "model"])
+@pytest.mark.parametrize("scope", ["tensor", "model", "groups"])
 def test_replicas_bitwise_identical_after_200_steps(core, scope):
     for r in core:
         assert r[f"bitwise_{scope}_params_equal"]
@@ -46,10 +46,11 @@ def test_communication_stats_count_real_bytes(core):
         assert s["selected"] == sum(s["selected_per_bucket"].values())
 
 
-@pytest.mark.parametrize("bpps", [1, 2])
-def test_density_one_follows_horovod(core, bpps):
+@pytest.mark.parametrize("case", ["bpps1", "bpps2", "sum", "predivide"])
+def test_density_one_follows_horovod(core, case):
+    """Same trajectory as horovod.torch.DistributedOptimizer, also with Horovod's keywords."""
     for r in core:
-        assert r[f"dense_equiv_bpps{bpps}_max_abs_diff"] <= 1e-6
+        assert r[f"dense_equiv_{case}_max_abs_diff"] <= 1e-6
 
 
 def test_backward_passes_guards_match_horovod(core):

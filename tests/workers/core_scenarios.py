@@ -128,11 +128,12 @@ def train(m, opt, steps, start=0, use_side=None):
 
 def scenario_bitwise(res):
     """200 steps, bidirectional, momentum: parameters and downlink residuals identical."""
-    for scope in ("tensor", "model"):
+    for scope, bucketing in (("tensor", {}), ("model", {"scope": "model"}),
+                             ("groups", {"groups": 2})):
         m = make_model(2)
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-            named_parameters=m.named_parameters(), density=0.02, scope=scope, min_sparse_numel=0)
+            named_parameters=m.named_parameters(), density=0.02, min_sparse_numel=0, **bucketing)
         hvd.broadcast_parameters(m.state_dict(), root_rank=0)
         start = flat_params(m).clone()
         train(m, opt, 200)
@@ -146,21 +147,33 @@ def scenario_bitwise(res):
         res[f"bitwise_{scope}_stats"] = stats
 
 
+EQUIVALENCE_CASES = {
+    "bpps1": {},
+    "bpps2": {"backward_passes_per_step": 2},
+    "sum": {"op": "Sum"},
+    "predivide": {"gradient_predivide_factor": 2.0},
+}
+
+
 def scenario_dense_equivalence(res):
     """density=1.0 follows the same trajectory as horovod.torch.DistributedOptimizer."""
     import horovod.torch as real_hvd
-    for bpps in (1, 2):
+    for label, case in EQUIVALENCE_CASES.items():
+        kwargs = dict(case)
+        if "op" in kwargs:
+            kwargs["op"] = getattr(real_hvd, kwargs["op"])
+        bpps = kwargs.get("backward_passes_per_step", 1)
         trajectories = []
         for which in ("horovod", "sparse"):
             m = make_model(3)
-            base = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+            base = torch.optim.SGD(m.parameters(), lr=0.1 if "op" not in kwargs else 0.03,
+                                   momentum=0.9)
             if which == "horovod":
                 opt = real_hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(),
-                                                    backward_passes_per_step=bpps)
+                                                    **kwargs)
             else:
                 opt = hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(),
-                                               density=1.0, min_sparse_numel=0,
-                                               backward_passes_per_step=bpps)
+                                               density=1.0, min_sparse_numel=0, **kwargs)
             rank = hvd.rank()
             for step in range(20):
                 opt.zero_grad()
@@ -169,7 +182,7 @@ def scenario_dense_equivalence(res):
                     F.cross_entropy(forward(m, x), y).backward()
                 opt.step()
             trajectories.append(flat_params(m))
-        res[f"dense_equiv_bpps{bpps}_max_abs_diff"] = float(
+        res[f"dense_equiv_{label}_max_abs_diff"] = float(
             (trajectories[0] - trajectories[1]).abs().max())
 
 
