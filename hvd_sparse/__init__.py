@@ -6,11 +6,13 @@ name a Horovod training script uses (``init``, ``rank``, ``size``, ``broadcast_p
 looked up in ``horovod.torch`` on first use.
 """
 from .optimizer import DistributedOptimizer, is_sparse_optimizer
-from .sparsifiers import Sparsifier, TopK, make_sparsifier
+from .sparsifiers import (AdaptiveTopK, GaussianK, HardThreshold, RandomK, SelectionContext,
+                          SparseBinary, Sparsifier, TopK, make_sparsifier, threshold_for_k)
 
 __version__ = "0.1.0"
-__all__ = ["DistributedOptimizer", "Sparsifier", "TopK", "make_sparsifier",
-           "is_sparse_optimizer"]
+__all__ = ["DistributedOptimizer", "Sparsifier", "SelectionContext", "TopK", "GaussianK",
+           "HardThreshold", "AdaptiveTopK", "SparseBinary", "RandomK", "make_sparsifier",
+           "threshold_for_k", "is_sparse_optimizer"]
 
 
 def __getattr__(name):

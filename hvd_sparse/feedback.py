@@ -32,6 +32,10 @@ class Residual:
         if idx.numel():
             self.buffer[idx] = self.buffer[idx] - sent.to(self.dtype)
 
+    def energy(self) -> torch.Tensor:
+        """``||residual||^2`` as a 0-d tensor (no host sync): the step's compression error."""
+        return torch.linalg.vector_norm(self.buffer.float()).pow(2)
+
     def state(self):
         return None if self.buffer is None else self.buffer.detach().clone()
 

@@ -19,34 +19,38 @@ from __future__ import annotations
 import copy
 import warnings
 from contextlib import contextmanager
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import aggregation, buckets as bucketing, wire
+from .dgc import MomentumCorrection, clip_local, warmup_density
 from .feedback import Residual
-from .sparsifiers import Sparsifier, make_sparsifier
+from .sparsifiers import SelectionContext, Sparsifier, make_sparsifier
 from .stats import CommunicationStats
 
 STATE_KEY = "hvd_sparse"
 STATE_FORMAT = 1
 
 
+class _InFlight(NamedTuple):
+    """A bucket whose exchange has been launched."""
+
+    kind: str  # "sparse" (allgather of payloads) or "dense" (allreduce)
+    handle: object
+    ctx: object  # the compressor's context
+    nbytes: int  # this rank's bytes on the wire
+    sparse_grads: list  # parameters whose gradient was sparse and is handed back sparse
+    selected: int
+    target: Optional[int]
+    error: Optional[torch.Tensor]  # ||residual||^2 after selection (total-error statistic)
+
+
 class _Options:
     """Validated configuration of one optimizer (everything that must agree across ranks)."""
 
-    def __init__(self, *, density, downlink_density, bidirectional, sparsifier,
-                 downlink_sparsifier, average, predivide, compression, sparse_as_dense,
-                 backward_passes_per_step):
-        self.density = density
-        self.downlink_density = downlink_density
-        self.bidirectional = bidirectional
-        self.sparsifier = sparsifier
-        self.downlink_sparsifier = downlink_sparsifier
-        self.average = average
-        self.predivide = predivide
-        self.compression = compression
-        self.sparse_as_dense = sparse_as_dense
-        self.backward_passes_per_step = backward_passes_per_step
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
 
 
 class _SparseDistributedOptimizer(torch.optim.Optimizer):
@@ -73,10 +77,14 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_touched = False
         self._synchronized = False
         self._should_synchronize = True
-        self._hs_uplink = {b.index: Residual(b.numel, aggregation.accumulation_dtype(b.dtype))
-                           for b in buckets if b.sparse}
-        self._hs_downlink = {b.index: Residual(b.numel, aggregation.accumulation_dtype(b.dtype))
-                             for b in buckets if b.sparse}
+        sparse = [b for b in buckets if b.sparse]
+        acc_dtype = aggregation.accumulation_dtype
+        self._hs_uplink = {b.index: Residual(b.numel, acc_dtype(b.dtype)) for b in sparse}
+        self._hs_downlink = {b.index: Residual(b.numel, acc_dtype(b.dtype)) for b in sparse}
+        self._hs_velocity = ({b.index: MomentumCorrection(options.momentum_correction)
+                              for b in sparse} if options.momentum_correction else {})
+        self._hs_anchor = {}  # communication delay: parameters at the last exchange
+        self._hs_local_count = 0
         self._hs_stats = CommunicationStats()
         self._hs_steps = 0
         self._hs_hook_handles = []
@@ -95,11 +103,11 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                     "locally.")
             self._hs_touched = True
             self._allreduce_delay[p] -= 1
-            if self._allreduce_delay[p] == 0:
+            if self._allreduce_delay[p] == 0 and self._hs.local_steps == 1:
                 b = self._hs_bucket_of[p]
                 self._hs_ready[b.index] += 1
                 if self._hs_ready[b.index] == len(b.params) and b.index not in self._hs_inflight:
-                    self._hs_launch(b)
+                    self._hs_launch(b, *self._hs_flat_grad(b))
         return hook
 
     # ----------------------------------------------------------------- one bucket
@@ -122,22 +130,46 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         flat = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
         return flat, sparse_grads
 
-    def _hs_launch(self, b):
+    def _hs_context(self, b, direction):
+        return SelectionContext(bucket=b.name, step=self._hs_steps,
+                                rank=self._hs_transport.rank(), direction=direction)
+
+    def _hs_density(self):
         o = self._hs
-        flat, sparse_grads = self._hs_flat_grad(b)
+        return warmup_density(self._hs_steps, o.density, o.density_warmup_steps), \
+            warmup_density(self._hs_steps, o.downlink_density, o.density_warmup_steps)
+
+    def _hs_dense_round(self, b):
+        """Buckets too small to sparsify, and every bucket during the dense warm-start."""
+        return (not b.sparse) or self._hs_steps < self._hs.dense_warmup_steps
+
+    def _hs_launch(self, b, flat, sparse_grads):
+        o = self._hs
         name = f"hvd_sparse.{b.index}.{b.name}"
-        if not b.sparse:
+        if o.local_clip_norm is not None:
+            flat = clip_local(flat, o.local_clip_norm, self._hs_transport.size())
+        if self._hs_dense_round(b):
+            if b.sparse:  # dense warm-start: flush what error feedback holds into this exchange
+                source = self._hs_velocity[b.index].apply(flat) if self._hs_velocity else flat
+                flat = self._hs_uplink[b.index].accumulate(source).clone()
+                self._hs_uplink[b.index].buffer.zero_()
+                if self._hs_velocity:
+                    self._hs_velocity[b.index].velocity.zero_()
             wire_t, ctx = o.compression.compress(flat)
             prescale, postscale = (1.0 / o.predivide, o.predivide) if o.average else (1.0, 1.0)
             handle = self._hs_transport.allreduce_async(
                 wire_t, name, average=o.average, prescale=prescale, postscale=postscale)
-            self._hs_inflight[b.index] = ("dense", handle, ctx, wire_t.numel() * wire_t.element_size(),
-                                          sparse_grads)
+            self._hs_inflight[b.index] = _InFlight("dense", handle, ctx,
+                                                   wire_t.numel() * wire_t.element_size(),
+                                                   sparse_grads, b.numel, None, None)
             return
+        up_density, _ = self._hs_density()
         residual = self._hs_uplink[b.index]
-        acc = residual.accumulate(flat)
-        idx = o.sparsifier.select(acc, o.density)
-        values = acc[idx]
+        velocity = self._hs_velocity.get(b.index)
+        acc = residual.accumulate(velocity.apply(flat) if velocity else flat)
+        ctx_sel = self._hs_context(b, "up")
+        idx, values = o.sparsifier.compress(acc, up_density, ctx_sel)
+        target = o.sparsifier.target_count(b.numel, up_density, ctx_sel)
         scaled = values.to(b.dtype)
         if o.average and o.predivide != 1.0:
             scaled = scaled * (1.0 / o.predivide)
@@ -146,42 +178,60 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if o.average and o.predivide != 1.0:
             sent = sent * o.predivide
         residual.settle(idx, sent)  # what the wire lost (selection, rounding) stays for later
-        payload = wire.encode(idx, wire_values, index_dtype=b.index_dtype, tag=b.tag)
+        if velocity:
+            velocity.mask(idx)
+        error = residual.energy() if o.track_error else None
+        payload = wire.encode(idx, wire_values, index_dtype=b.index_dtype, tag=b.tag,
+                              numel=b.numel, index_coding=o.index_coding,
+                              constant=o.sparsifier.constant_value)
         handle = self._hs_transport.allgather_async(payload, name)
-        self._hs_inflight[b.index] = ("sparse", handle, ctx, payload.numel(), sparse_grads,
-                                      idx.numel())
+        self._hs_inflight[b.index] = _InFlight("sparse", handle, ctx, payload.numel(),
+                                               sparse_grads, idx.numel(), target, error)
 
     def _hs_finish(self, b):
+        """Wait for a bucket's exchange; return the flat update every rank applies."""
         o = self._hs
-        kind, handle, ctx, nbytes, sparse_grads, *rest = self._hs_inflight[b.index]
+        job = self._hs_inflight[b.index]
         size = self._hs_transport.size()
         acc_dtype = aggregation.accumulation_dtype(b.dtype)
-        if kind == "dense":
-            out = o.compression.decompress(self._hs_transport.wait(handle), ctx)
-            self._hs_stats.record(b.name, sent=nbytes, received=nbytes, dense=b.nbytes,
-                                  selected=b.numel, numel=b.numel)
-        else:
-            gathered = self._hs_transport.wait(handle)
-            payloads = wire.decode_all(gathered, size, tag=b.tag, numel=b.numel, bucket=b.name)
-            for p in payloads:
-                p.values = o.compression.decompress(p.values, ctx)
-            device = b.params[0].device
-            dense = aggregation.aggregate(payloads, b.numel, acc_dtype, device)
-            scale = (o.predivide / size) if o.average else 1.0
-            if scale != 1.0:
-                dense.mul_(scale)
-            if o.bidirectional:
+        if job.kind == "dense":
+            out = o.compression.decompress(self._hs_transport.wait(job.handle), job.ctx)
+            if b.sparse and self._hs.bidirectional:  # dense warm-start: flush the downlink too
                 residual = self._hs_downlink[b.index]
-                agg = residual.accumulate(dense)
-                idx = o.downlink_sparsifier.select(agg, o.downlink_density)
-                values = agg[idx]
-                residual.settle(idx, values)
-                out = torch.zeros(b.numel, dtype=acc_dtype, device=device)
-                out[idx] = values
-            else:
-                out = dense
-            self._hs_stats.record(b.name, sent=nbytes, received=gathered.numel() - nbytes,
-                                  dense=b.nbytes, selected=rest[0], numel=b.numel)
+                out = residual.accumulate(out.to(acc_dtype)).clone()
+                residual.buffer.zero_()
+            self._hs_stats.record(b.name, sent=job.nbytes, received=job.nbytes, dense=b.nbytes,
+                                  selected=b.numel, numel=b.numel, target=b.numel)
+            return out
+        gathered = self._hs_transport.wait(job.handle)
+        payloads = wire.decode_all(gathered, size, tag=b.tag, numel=b.numel, bucket=b.name)
+        for p in payloads:
+            p.values = o.compression.decompress(p.values, job.ctx)
+        device = b.params[0].device
+        dense = aggregation.aggregate(payloads, b.numel, acc_dtype, device)
+        scale = (o.predivide / size) if o.average else 1.0
+        if scale != 1.0:
+            dense.mul_(scale)
+        ctx_down = self._hs_context(b, "down")
+        o.sparsifier.observe(dense, self._hs_context(b, "up"))
+        o.downlink_sparsifier.observe(dense, ctx_down)
+        if o.bidirectional:
+            residual = self._hs_downlink[b.index]
+            agg = residual.accumulate(dense)
+            idx, values = o.downlink_sparsifier.compress(agg, self._hs_density()[1], ctx_down)
+            residual.settle(idx, values)
+            out = torch.zeros(b.numel, dtype=acc_dtype, device=device)
+            out[idx] = values
+            down_selected = idx.numel()
+        else:
+            out, down_selected = dense, None
+        self._hs_stats.record(b.name, sent=job.nbytes, received=gathered.numel() - job.nbytes,
+                              dense=b.nbytes, selected=job.selected, numel=b.numel,
+                              target=job.target, error=job.error,
+                              downlink_selected=down_selected)
+        return out
+
+    def _hs_write_grads(self, b, out, sparse_grads):
         for p, off in zip(b.params, b.offsets):
             seg = out[off:off + p.numel()].view(p.shape).to(p.dtype)
             if p in sparse_grads:
@@ -189,22 +239,29 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             else:
                 p.grad.copy_(seg)
 
+    def _hs_exchange_all(self, write):
+        """Launch what is not in flight, finish every bucket in order, hand each result on."""
+        for b in self._hs_buckets:
+            if b.index not in self._hs_inflight:
+                self._hs_launch(b, *self._hs_flat_grad(b))
+        try:
+            for b in self._hs_buckets:
+                write(b, self._hs_finish(b), self._hs_inflight[b.index].sparse_grads)
+        finally:
+            self._hs_reset_round()
+        self._hs_stats.end_step()
+        self._hs_steps += 1
+
     # ----------------------------------------------------------------- Horovod's API
     def synchronize(self):
         """Finish every bucket's exchange and write the result into ``p.grad``."""
         if not self._hs_transport.included():
             self._synchronized = True
             return
-        for b in self._hs_buckets:
-            if b.index not in self._hs_inflight:
-                self._hs_launch(b)
-        try:
-            for b in self._hs_buckets:
-                self._hs_finish(b)
-        finally:
-            self._hs_reset_round()
-        self._hs_stats.end_step()
-        self._hs_steps += 1
+        if self._hs.local_steps > 1:
+            raise RuntimeError("synchronize() exchanges gradients, but this optimizer was made "
+                               "with local_steps > 1 and exchanges weight updates from step()")
+        self._hs_exchange_all(self._hs_write_grads)
         self._synchronized = True
 
     def _hs_reset_round(self):
@@ -225,6 +282,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if self._hs.local_steps > 1:
+            return self._hs_local_step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -235,6 +294,35 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
         return self._hs_base.step(self, closure)
+
+    def _hs_flat_params(self, b):
+        return torch.cat([p.detach().reshape(-1) for p in b.params]).to(
+            aggregation.accumulation_dtype(b.dtype))
+
+    def _hs_local_step(self, closure):
+        """Communication delay (SBC): local steps, then exchange the accumulated weight update.
+
+        Every ``local_steps`` steps, each bucket's change since the last exchange is sparsified
+        (with error feedback) and averaged like a gradient, and all ranks restart from
+        ``anchor + averaged change``, which is bitwise the same everywhere.
+        """
+        if not self._hs_anchor:
+            self._hs_anchor = {b.index: self._hs_flat_params(b) for b in self._hs_buckets}
+        result = self._hs_base.step(self, closure)
+        self._hs_reset_round()
+        self._hs_local_count += 1
+        if self._hs_local_count % self._hs.local_steps == 0 and self._hs_transport.included():
+            for b in self._hs_buckets:
+                self._hs_launch(b, self._hs_flat_params(b) - self._hs_anchor[b.index], [])
+            self._hs_exchange_all(self._hs_apply_delta)
+        return result
+
+    def _hs_apply_delta(self, b, out, _sparse):
+        new = self._hs_anchor[b.index] + out.to(self._hs_anchor[b.index].dtype)
+        self._hs_anchor[b.index] = new
+        with torch.no_grad():
+            for p, off in zip(b.params, b.offsets):
+                p.copy_(new[off:off + p.numel()].view(p.shape))
 
     def zero_grad(self, *args, **kwargs):
         if self._hs_touched or self._hs_inflight:
@@ -281,10 +369,15 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             "world_size": t.size(),
             "rank": t.rank(),
             "steps": self._hs_steps,
+            "local_count": self._hs_local_count,
             "buckets": {b.name: {"numel": b.numel,
                                  "uplink": self._hs_uplink[b.index].state(),
-                                 "downlink": self._hs_downlink[b.index].state()}
+                                 "downlink": self._hs_downlink[b.index].state(),
+                                 "velocity": (self._hs_velocity[b.index].state()
+                                              if self._hs_velocity else None)}
                         for b in self._hs_buckets if b.sparse},
+            "anchors": {b.name: self._hs_anchor[b.index].clone()
+                        for b in self._hs_buckets if b.index in self._hs_anchor},
             "sparsifier": self._hs.sparsifier.state_dict(),
             "downlink_sparsifier": self._hs.downlink_sparsifier.state_dict(),
             "stats": self._hs_stats.state_dict(),
@@ -316,6 +409,12 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         for name, b in mine.items():
             self._hs_downlink[b.index].load(saved[name]["downlink"])
             self._hs_uplink[b.index].load(saved[name]["uplink"] if same_rank else None)
+            if self._hs_velocity:
+                self._hs_velocity[b.index].load(saved[name].get("velocity") if same_rank else None)
+        anchors = extra.get("anchors", {})
+        self._hs_anchor = {b.index: anchors[b.name].clone() for b in self._hs_buckets
+                           if b.name in anchors}
+        self._hs_local_count = int(extra.get("local_count", 0))
         self._hs.sparsifier.load_state_dict(extra.get("sparsifier", {}))
         self._hs.downlink_sparsifier.load_state_dict(extra.get("downlink_sparsifier", {}))
         self._hs_steps = int(extra.get("steps", 0))
@@ -366,8 +465,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
                          *, density=0.01, bidirectional=True, downlink_density=None,
-                         sparsifier="topk", scope="tensor", bucket_cap_mb=25.0,
-                         min_sparse_numel=1024, transport=None, **unknown):
+                         sparsifier="topk", threshold=None, total_steps=None, min_density=None,
+                         max_density=None, sparsifier_options=None, index_coding=None,
+                         momentum_correction=0.0, local_clip_norm=None, density_warmup_steps=0,
+                         dense_warmup_steps=0, local_steps=1, track_error=True,
+                         scope="tensor", bucket_cap_mb=25.0, min_sparse_numel=1024,
+                         transport=None, **unknown):
     """Wrap ``optimizer`` so gradients are exchanged sparsely (drop-in for Horovod's).
 
     Horovod's keywords keep their meaning: ``compression`` sets the value type on the wire (its
@@ -382,6 +485,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     (``"tensor"``, ``"model"`` or ``"bucket"`` with ``bucket_cap_mb``), ``min_sparse_numel``
     (smaller buckets are allreduced dense), ``transport`` (a :class:`hvd_sparse.transport.Transport`;
     default Horovod's collectives).
+
+    Method keywords: ``threshold`` (for ``"threshold"``), ``total_steps``, ``min_density``,
+    ``max_density`` (for ``"adaptive"``), ``sparsifier_options`` (any other constructor keywords),
+    ``index_coding`` (``"plain"`` or ``"golomb"``; default Golomb for ``"sbc"``).
+    DGC's aids: ``momentum_correction`` (velocity factor, with masking; use a base optimizer
+    without momentum), ``local_clip_norm``, ``density_warmup_steps``, ``dense_warmup_steps``.
+    ``local_steps`` > 1 is SBC's communication delay: that many local steps, then the accumulated
+    weight update is exchanged instead of gradients. ``track_error`` keeps the per-step
+    compression error ``||acc - sent||^2`` in the statistics (one extra pass per bucket).
     """
     if unknown:
         raise TypeError("hvd_sparse.DistributedOptimizer got unexpected keyword argument(s): "
@@ -434,9 +546,33 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                     seen.add(id(p))
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
-    up = make_sparsifier(sparsifier)
+    method_options = dict(sparsifier_options or {})
+    for key, value in (("threshold", threshold), ("total_steps", total_steps),
+                       ("min_density", min_density), ("max_density", max_density)):
+        if value is not None:
+            method_options[key] = value
+    up = make_sparsifier(sparsifier, **method_options)
     # The downlink gets its own instance: a stateful method keeps separate state per direction.
-    down = make_sparsifier(sparsifier) if isinstance(sparsifier, str) else copy.deepcopy(up)
+    down = copy.deepcopy(up)
+    if index_coding is None:
+        index_coding = "golomb" if up.constant_value else "plain"
+    if index_coding not in wire.INDEX_CODINGS:
+        raise ValueError(f"index_coding must be one of {wire.INDEX_CODINGS}, got {index_coding!r}")
+    if isinstance(momentum_correction, bool) or not isinstance(momentum_correction, (int, float)) \
+            or not 0.0 <= momentum_correction < 1.0:
+        raise ValueError(f"momentum_correction must be in [0, 1), got {momentum_correction!r}")
+    if local_clip_norm is not None and not (isinstance(local_clip_norm, (int, float))
+                                            and local_clip_norm > 0):
+        raise ValueError(f"local_clip_norm must be a positive number, got {local_clip_norm!r}")
+    for key, value in (("density_warmup_steps", density_warmup_steps),
+                       ("dense_warmup_steps", dense_warmup_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{key} must be a non-negative int, got {value!r}")
+    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+        raise ValueError(f"local_steps must be an int >= 1, got {local_steps!r}")
+    if local_steps > 1 and backward_passes_per_step != 1:
+        raise ValueError("local_steps > 1 (communication delay) and backward_passes_per_step > 1 "
+                         "cannot be combined")
     compression = _compressor(compression)
     if isinstance(min_sparse_numel, bool) or not isinstance(min_sparse_numel, int) \
             or min_sparse_numel < 0:
@@ -472,7 +608,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                        bidirectional=bidirectional, sparsifier=up, downlink_sparsifier=down,
                        average=average, predivide=float(gradient_predivide_factor),
                        compression=compression, sparse_as_dense=sparse_as_dense,
-                       backward_passes_per_step=backward_passes_per_step)
+                       backward_passes_per_step=backward_passes_per_step,
+                       index_coding=index_coding, momentum_correction=float(momentum_correction),
+                       local_clip_norm=local_clip_norm,
+                       density_warmup_steps=density_warmup_steps,
+                       dense_warmup_steps=dense_warmup_steps, local_steps=local_steps,
+                       track_error=bool(track_error))
     wrapped._hs_init(named, transport, options, plan)
     return wrapped
 

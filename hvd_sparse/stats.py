@@ -1,7 +1,9 @@
 """Per-step and cumulative communication accounting for one rank."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
+
+import torch
 
 
 class CommunicationStats:
@@ -10,41 +12,63 @@ class CommunicationStats:
     ``dense_bytes`` is the size of the gradients synchronised in the step (what a dense allreduce
     carries per rank before the ring factor 2(P-1)/P); ``bytes_sent`` / ``bytes_received`` count
     payload bytes exactly, headers and padding included, and dense-path tensors at their size.
+    ``selected`` is this rank's uplink count and ``target`` what the sparsifier aimed at;
+    ``compression_error`` is ``sum ||acc - sent||^2`` over buckets (its running sum in ``totals``
+    is the *total error* of Sahu et al.); ``bits_per_selected`` is wire bits per sent entry.
     """
 
-    KEYS = ("bytes_sent", "bytes_received", "dense_bytes", "selected", "numel")
+    KEYS = ("bytes_sent", "bytes_received", "dense_bytes", "selected", "numel", "target",
+            "downlink_selected")
 
     def __init__(self):
         self.steps = 0
         self.totals = {k: 0 for k in self.KEYS}
-        self.last: Dict[str, int] = {k: 0 for k in self.KEYS}
-        self.last_selected_per_bucket: Dict[str, int] = {}
-        self._current: Dict[str, int] = {k: 0 for k in self.KEYS}
-        self._current_per_bucket: Dict[str, int] = {}
+        self.totals["compression_error"] = 0.0
+        self.last: Dict[str, float] = {k: 0 for k in self.KEYS}
+        self.last["compression_error"] = 0.0
+        self.last_per_bucket: Dict[str, dict] = {}
+        self._reset_current()
+
+    def _reset_current(self):
+        self._current = {k: 0 for k in self.KEYS}
+        self._errors = []
+        self._current_per_bucket = {}
 
     def record(self, bucket: str, *, sent: int, received: int, dense: int, selected: int,
-               numel: int) -> None:
+               numel: int, target: Optional[int] = None, error: Optional[torch.Tensor] = None,
+               downlink_selected: Optional[int] = None) -> None:
         c = self._current
         c["bytes_sent"] += sent
         c["bytes_received"] += received
         c["dense_bytes"] += dense
         c["selected"] += selected
         c["numel"] += numel
-        self._current_per_bucket[bucket] = selected
+        c["target"] += selected if target is None else target
+        c["downlink_selected"] += selected if downlink_selected is None else downlink_selected
+        if error is not None:
+            self._errors.append(error)
+        self._current_per_bucket[bucket] = {"selected": selected, "target": target,
+                                            "bytes_sent": sent}
 
     def end_step(self) -> None:
         self.last = dict(self._current)
-        self.last_selected_per_bucket = dict(self._current_per_bucket)
+        # one host read per step, for all buckets together
+        self.last["compression_error"] = float(torch.stack(self._errors).sum()) \
+            if self._errors else 0.0
+        self.last_per_bucket = dict(self._current_per_bucket)
         for k in self.KEYS:
             self.totals[k] += self._current[k]
+        self.totals["compression_error"] += self.last["compression_error"]
         self.steps += 1
-        self._current = {k: 0 for k in self.KEYS}
-        self._current_per_bucket = {}
+        self._reset_current()
 
     def as_dict(self) -> dict:
         out = dict(self.last)
         out["density"] = self.last["selected"] / self.last["numel"] if self.last["numel"] else 0.0
-        out["selected_per_bucket"] = dict(self.last_selected_per_bucket)
+        out["bits_per_selected"] = (8 * self.last["bytes_sent"] / self.last["selected"]
+                                    if self.last["selected"] else 0.0)
+        out["selected_per_bucket"] = {b: v["selected"] for b, v in self.last_per_bucket.items()}
+        out["target_per_bucket"] = {b: v["target"] for b, v in self.last_per_bucket.items()}
         out["steps"] = self.steps
         out["totals"] = dict(self.totals)
         sent = self.totals["bytes_sent"]

@@ -1,13 +1,19 @@
-"""The packed payload: one byte buffer per bucket and rank, ``header | indices | values``.
+"""The packed payload: one byte buffer per bucket and rank.
 
-Header (16 bytes, little endian): magic ``0xB5``, format version, index code, value code,
-a 32-bit fingerprint of the bucket (name and length) and the entry count (int64). Index and value
-sections are padded to 8 bytes so that every section, and every rank's payload inside an
-allgathered buffer, starts 8-byte aligned and can be viewed without copying.
+    header (16 bytes) | [Golomb extension (8)] | indices | pad to 8 | values | pad to 8
 
-Because each payload states its own count and widths, a concatenation of payloads from all ranks
-(what an allgather returns) is split exactly, without a second collective for the sizes. The
-fingerprint lets every rank notice, on the first step, that another rank sent a different bucket.
+Header, little endian: magic ``0xB5``, format version, index code, value code, a 32-bit
+fingerprint of the bucket (name and length) and the entry count (int64).
+
+* Index codes: ``0`` int32, ``1`` int64 (past 2**31 - 1 entries), ``2`` Golomb-Rice coded gaps
+  (the extension holds the stream's byte length and the Rice parameter ``b``).
+* Value codes: ``0`` fp32, ``1`` fp16, ``2`` bf16, ``3`` fp64; with bit ``0x80`` set the payload
+  holds a single value shared by every position (Sparse Binary Compression).
+
+Sections are padded to 8 bytes so that every section, and every rank's payload inside an
+allgathered buffer, starts 8-byte aligned and can be viewed in place. Each payload states its own
+length, so the concatenation an allgather returns is split without a second collective, and the
+fingerprint lets every rank notice at the first step that another rank sent a different bucket.
 """
 from __future__ import annotations
 
@@ -18,16 +24,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import golomb
+
 MAGIC = 0xB5
 VERSION = 1
 HEADER = struct.Struct("<BBBBIq")
 HEADER_BYTES = HEADER.size  # 16
+GOLOMB_EXT = struct.Struct("<IBxxx")  # stream bytes, Rice parameter
 INT32_LIMIT = 2**31 - 1
+CONSTANT = 0x80
 
 _INDEX_DTYPES = {0: torch.int32, 1: torch.int64}
+GOLOMB = 2
 _VALUE_DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16, 3: torch.float64}
 _INDEX_CODE = {v: k for k, v in _INDEX_DTYPES.items()}
 _VALUE_CODE = {v: k for k, v in _VALUE_DTYPES.items()}
+INDEX_CODINGS = ("plain", "golomb")
 
 
 class PayloadError(RuntimeError):
@@ -48,10 +60,15 @@ def _pad8(nbytes: int) -> int:
     return (-nbytes) % 8
 
 
-def payload_nbytes(count: int, index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:
-    """Exact size in bytes of a payload with ``count`` entries."""
-    ib = count * torch.empty(0, dtype=index_dtype).element_size()
-    vb = count * torch.empty(0, dtype=value_dtype).element_size()
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def payload_nbytes(count: int, index_dtype: torch.dtype, value_dtype: torch.dtype,
+                   constant: bool = False) -> int:
+    """Exact size in bytes of a plain-index payload with ``count`` entries."""
+    ib = count * _size(index_dtype)
+    vb = (1 if constant else count) * _size(value_dtype)
     return HEADER_BYTES + ib + _pad8(ib) + vb + _pad8(vb)
 
 
@@ -59,19 +76,42 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(-1)
 
 
-def encode(indices: torch.Tensor, values: torch.Tensor, *, index_dtype: torch.dtype,
-           tag: int) -> torch.Tensor:
-    """Pack (indices, values) into one uint8 tensor on the values' device."""
-    if indices.numel() != values.numel():
+def _bytes_tensor(data: bytes, device) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def encode(indices: torch.Tensor, values: torch.Tensor, *, index_dtype: torch.dtype, tag: int,
+           numel: int = 0, index_coding: str = "plain", constant: bool = False) -> torch.Tensor:
+    """Pack (indices, values) into one uint8 tensor on the values' device.
+
+    ``constant``: every value equals ``values[0]``, which is sent once. ``index_coding="golomb"``
+    codes the (ascending) indices as Golomb-Rice gaps with the parameter for ``count / numel``.
+    """
+    if constant:
+        values = values[:1]
+    elif indices.numel() != values.numel():
         raise ValueError("indices and values differ in length")
     if values.dtype not in _VALUE_CODE:
         raise TypeError(f"values of dtype {values.dtype} cannot be put on the wire")
     count = indices.numel()
-    header = HEADER.pack(MAGIC, VERSION, _INDEX_CODE[index_dtype], _VALUE_CODE[values.dtype],
-                         tag & 0xFFFFFFFF, count)
     device = values.device
-    parts = [torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)]
-    for section in (_as_bytes(indices.to(index_dtype)), _as_bytes(values)):
+    vcode = _VALUE_CODE[values.dtype] | (CONSTANT if constant else 0)
+    if index_coding == "golomb":
+        b = golomb.optimal_parameter(count / numel if numel else 0.0)
+        stream = golomb.encode(indices.cpu().numpy(), b)
+        head = HEADER.pack(MAGIC, VERSION, GOLOMB, vcode, tag & 0xFFFFFFFF, count) + \
+            GOLOMB_EXT.pack(len(stream), b)
+        index_section = _bytes_tensor(stream, device)
+    elif index_coding == "plain":
+        head = HEADER.pack(MAGIC, VERSION, _INDEX_CODE[index_dtype], vcode, tag & 0xFFFFFFFF,
+                           count)
+        index_section = _as_bytes(indices.to(index_dtype))
+    else:
+        raise ValueError(f"index_coding must be one of {INDEX_CODINGS}, got {index_coding!r}")
+    parts = [_bytes_tensor(head, device)]
+    for section in (index_section, _as_bytes(values)):
         parts.append(section)
         pad = _pad8(section.numel())
         if pad:
@@ -81,45 +121,65 @@ def encode(indices: torch.Tensor, values: torch.Tensor, *, index_dtype: torch.dt
 
 @dataclass
 class Payload:
-    indices: torch.Tensor  # int64
-    values: torch.Tensor
+    indices: torch.Tensor  # int64, ascending within a payload
+    values: torch.Tensor   # one per index (a constant payload is expanded)
     nbytes: int
 
 
-def decode_one(buf: torch.Tensor, offset: int = 0, header_bytes: bytes | None = None):
-    """Decode the payload starting at ``offset``; return it and the offset just past it."""
-    raw = header_bytes if header_bytes is not None else bytes(
-        buf[offset:offset + HEADER_BYTES].cpu().numpy().tobytes())
+def decode_one(buf: torch.Tensor, offset: int, host: np.ndarray):
+    """Decode the payload at ``offset`` (``host`` is the buffer's bytes on the host).
+
+    Returns the payload, its fingerprint and the offset just past it.
+    """
+    raw = host[offset:offset + HEADER_BYTES].tobytes()
     if len(raw) < HEADER_BYTES:
         raise PayloadError("buffer ends inside a payload header")
     magic, version, icode, vcode, tag, count = HEADER.unpack(raw)
-    if magic != MAGIC or version != VERSION or icode not in _INDEX_DTYPES or vcode not in _VALUE_DTYPES:
-        raise PayloadError(f"not an hvd_sparse payload at byte {offset} (magic {magic:#x}, version {version})")
-    idt, vdt = _INDEX_DTYPES[icode], _VALUE_DTYPES[vcode]
-    nbytes = payload_nbytes(count, idt, vdt)
-    if offset + nbytes > buf.numel():
-        raise PayloadError(f"payload at byte {offset} claims {count} entries, past the buffer end")
+    constant = bool(vcode & CONSTANT)
+    vcode &= ~CONSTANT
+    if magic != MAGIC or version != VERSION or vcode not in _VALUE_DTYPES \
+            or icode not in (0, 1, GOLOMB) or count < 0:
+        raise PayloadError(f"not an hvd_sparse payload at byte {offset} "
+                           f"(magic {magic:#x}, version {version})")
+    vdt = _VALUE_DTYPES[vcode]
     pos = offset + HEADER_BYTES
-    ib = count * torch.empty(0, dtype=idt).element_size()
-    indices = buf[pos:pos + ib].view(idt).to(torch.int64)
+    if icode == GOLOMB:
+        stream_bytes, b = GOLOMB_EXT.unpack(host[pos:pos + GOLOMB_EXT.size].tobytes())
+        pos += GOLOMB_EXT.size
+        try:
+            idx_np = golomb.decode(host[pos:pos + stream_bytes].tobytes(), count, b)
+        except (ValueError, IndexError) as e:
+            raise PayloadError(f"corrupt Golomb-Rice positions at byte {offset}: {e}") from None
+        indices = torch.from_numpy(idx_np).to(buf.device)
+        ib = stream_bytes
+    else:
+        idt = _INDEX_DTYPES[icode]
+        ib = count * _size(idt)
+        if pos + ib > buf.numel():
+            raise PayloadError(f"payload at byte {offset} claims {count} entries, "
+                               "past the buffer end")
+        indices = buf[pos:pos + ib].view(idt).to(torch.int64)
     pos += ib + _pad8(ib)
-    vb = count * torch.empty(0, dtype=vdt).element_size()
+    nvals = 1 if constant else count
+    vb = nvals * _size(vdt)
+    if pos + vb > buf.numel():
+        raise PayloadError(f"payload at byte {offset} claims {count} entries, past the buffer end")
     values = buf[pos:pos + vb].view(vdt)
-    return Payload(indices, values, nbytes), tag, offset + nbytes
+    if constant:
+        values = values.expand(count) if count else values[:0]
+    end = pos + vb + _pad8(vb)
+    return Payload(indices, values, end - offset), tag, end
 
 
 def decode_all(buf: torch.Tensor, ranks: int, *, tag: int, numel: int, bucket: str) -> list:
     """Split an allgathered buffer into ``ranks`` payloads, in rank order, and check them.
 
-    The headers are read on the host in one transfer when the buffer lives on a device.
+    The headers are read on the host (one transfer when the buffer lives on a device).
     """
-    host = buf if buf.device.type == "cpu" else buf.cpu()
-    host_np = host.numpy()
+    host = (buf if buf.device.type == "cpu" else buf.cpu()).numpy()
     payloads, offset = [], 0
     for r in range(ranks):
-        payload, got_tag, offset = decode_one(
-            host if buf.device.type == "cpu" else buf, offset,
-            header_bytes=host_np[offset:offset + HEADER_BYTES].tobytes())
+        payload, got_tag, offset = decode_one(buf, offset, host)
         if got_tag != (tag & 0xFFFFFFFF):
             raise PayloadError(
                 f"rank {r} sent a different bucket than this rank expects for '{bucket}' "

@@ -5,7 +5,8 @@ import torch
 
 from hvd_sparse import aggregation, buckets, wire
 from hvd_sparse.feedback import Residual
-from hvd_sparse.sparsifiers import TopK, k_for_density, make_sparsifier, topk_indices
+from hvd_sparse.sparsifiers import (SelectionContext, TopK, k_for_density, make_sparsifier,
+                                    topk_indices)
 
 
 def topk_reference(x, k):
@@ -39,7 +40,7 @@ def test_topk_edge_counts():
     assert k_for_density(1000, 0.01) == 10
     assert k_for_density(10, 0.01) == 1
     assert k_for_density(0, 0.5) == 0
-    assert TopK().select(x, 0.25).numel() == 5
+    assert TopK().select(x, 0.25, SelectionContext("b")).numel() == 5
     with pytest.raises(ValueError, match="not known"):
         make_sparsifier("bogus")
 

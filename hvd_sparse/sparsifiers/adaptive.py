@@ -1,0 +1,95 @@
+"""Adaptive Top-K (after Ruan et al., arXiv 2210.13532): k per step under a run-long budget.
+
+Ruan et al. bound the convergence error of Top-K SGD by a sum over steps of per-step compression
+errors, and choose k_t to minimise that bound subject to the total communication of the run. The
+compression error of Top-K at step t grows with the energy of the gradient being compressed, so
+the optimum spends more elements on steps whose gradients are large and fewer on quiet steps,
+while the total stays within the budget.
+
+The rule implemented here, per bucket:
+
+* budget ``B = density * n * total_steps`` elements (``density`` is the run's average);
+* the error scale of step t is predicted by ``s_t``, the squared norm of the previous step's
+  aggregated gradient (the same on every rank, so every rank picks the same k with no extra
+  collective), relative to its running mean ``s_bar``;
+* ``k_t = clip(round(R_t / r_t * (s_t / s_bar) ** gamma), k_min, k_max)``, with ``R_t`` the budget
+  left and ``r_t`` the steps left, and never more than leaves ``k_min`` for each remaining step,
+  so the total never exceeds ``B`` (after ``total_steps`` it falls back to ``k_min``).
+
+``gamma`` sets how strongly k follows the error (0 gives an even spread, i.e. plain Top-K).
+"""
+from __future__ import annotations
+
+import math
+
+from .base import Sparsifier, k_for_density, topk_indices
+
+
+class AdaptiveTopK(Sparsifier):
+    name = "adaptive"
+
+    def __init__(self, total_steps: int, min_density: float = None, max_density: float = None,
+                 gamma: float = 1.0, ema: float = 0.9):
+        if not isinstance(total_steps, int) or total_steps <= 0:
+            raise ValueError(f"adaptive Top-K needs total_steps > 0 (the run's length over which "
+                             f"the budget is spent), got {total_steps!r}")
+        self.total_steps = total_steps
+        self.min_density = min_density
+        self.max_density = max_density
+        self.gamma = float(gamma)
+        self.ema = float(ema)
+        self.buckets = {}  # bucket -> {"spent", "steps", "signal", "mean", "last_k"}
+
+    @staticmethod
+    def density_for_budget(total_bytes: float, total_steps: int, model_numel: int,
+                           bytes_per_entry: int = 8) -> float:
+        """The average density that spends ``total_bytes`` per rank over ``total_steps``."""
+        return total_bytes / (total_steps * model_numel * bytes_per_entry)
+
+    def _state(self, bucket):
+        return self.buckets.setdefault(bucket, {"spent": 0, "steps": 0, "signal": None,
+                                                "mean": None, "last_k": 0})
+
+    def k_for_step(self, numel: int, density: float, bucket: str) -> int:
+        st = self._state(bucket)
+        lo_d = self.min_density if self.min_density is not None else density / 10
+        hi_d = self.max_density if self.max_density is not None else min(1.0, density * 10)
+        k_min, k_max = k_for_density(numel, lo_d), k_for_density(numel, hi_d)
+        budget = density * numel * self.total_steps
+        left_steps = self.total_steps - st["steps"]
+        if left_steps <= 0:
+            return k_min
+        left = budget - st["spent"]
+        ratio = 1.0
+        if st["signal"] is not None and st["mean"]:
+            ratio = (st["signal"] / st["mean"]) ** self.gamma
+        k = round(left / left_steps * ratio)
+        cap = math.floor(left - k_min * (left_steps - 1))
+        return max(min(k, k_max, cap, numel), min(k_min, numel), 0)
+
+    def select(self, acc, density, ctx):
+        k = self.k_for_step(acc.numel(), density, ctx.bucket)
+        st = self._state(ctx.bucket)
+        st["spent"] += k
+        st["steps"] += 1
+        st["last_k"] = k
+        return topk_indices(acc, k)
+
+    def target_count(self, numel, density, ctx):
+        return self._state(ctx.bucket)["last_k"] or None
+
+    def observe(self, aggregate, ctx):
+        st = self._state(ctx.bucket)
+        s = float(aggregate.double().pow(2).sum())
+        st["signal"] = s
+        st["mean"] = s if st["mean"] is None else self.ema * st["mean"] + (1 - self.ema) * s
+
+    def state_dict(self):
+        return {"buckets": {b: dict(v) for b, v in self.buckets.items()}}
+
+    def load_state_dict(self, state):
+        self.buckets = {b: dict(v) for b, v in state.get("buckets", {}).items()}
+
+    def __repr__(self):
+        return (f"AdaptiveTopK(total_steps={self.total_steps}, gamma={self.gamma}, "
+                f"min_density={self.min_density}, max_density={self.max_density})")

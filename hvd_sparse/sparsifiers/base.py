@@ -1,0 +1,102 @@
+"""The sparsifier interface and the exact Top-K primitive every method builds on.
+
+A sparsifier looks at one flat, error-compensated vector and decides which entries to send and
+with which values. It does no communication. Methods that need state (adaptive k) keep it per
+bucket and direction and expose it through ``state_dict`` so checkpoints carry it; state that must
+agree across ranks is derived only from data every rank has (the aggregate, via ``observe``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class SelectionContext:
+    """Where a selection happens: which bucket, which step, which rank, which direction."""
+
+    bucket: str
+    step: int = 0
+    rank: int = 0
+    direction: str = "up"  # "up": this rank's uplink; "down": replicated downlink
+
+
+def k_for_density(numel: int, density: float) -> int:
+    """Entries kept for a given density: ceil(density * n), at least one, at most n.
+
+    Depends only on (numel, density), so every rank derives the same k for the same bucket.
+    """
+    if numel <= 0:
+        return 0
+    return min(numel, max(1, math.ceil(density * numel)))
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact Top-K by magnitude with ties broken by lowest index; indices sorted ascending.
+
+    ``torch.topk`` alone does not define which of several equal magnitudes it keeps, which would
+    let replicas choose differently. Here the k-th largest magnitude ``t`` is found first, then
+    every entry above ``t`` is kept together with the lowest-index entries equal to ``t``: the
+    result is a function of the values only.
+    """
+    return topk_of(x.abs(), k)
+
+
+def topk_of(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`topk_indices` on precomputed non-negative scores (largest first, lowest index)."""
+    n = mag.numel()
+    if k >= n:
+        return torch.arange(n, device=mag.device, dtype=torch.int64)
+    if k <= 0:
+        return torch.empty(0, device=mag.device, dtype=torch.int64)
+    t = torch.topk(mag, k, sorted=False).values.min()
+    above = torch.nonzero(mag > t).squeeze(1)
+    missing = k - above.numel()
+    if missing > 0:
+        ties = torch.nonzero(mag == t).squeeze(1)[:missing]
+        above = torch.cat([above, ties])
+    return torch.sort(above).values
+
+
+def threshold_indices(x: torch.Tensor, threshold) -> torch.Tensor:
+    """Positions with ``|x| >= threshold``, ascending."""
+    return torch.nonzero(x.abs() >= threshold).squeeze(1)
+
+
+class Sparsifier:
+    """Base class. Subclass and implement :meth:`select`; override :meth:`compress` to send
+    values other than the selected entries themselves (as SBC does)."""
+
+    name = "base"
+    #: the payload carries one value for all positions (SBC) instead of one value per position
+    constant_value = False
+
+    def select(self, acc: torch.Tensor, density: float, ctx: SelectionContext) -> torch.Tensor:
+        """Return int64 positions (ascending, unique) of the entries of ``acc`` to send."""
+        raise NotImplementedError
+
+    def compress(self, acc: torch.Tensor, density: float,
+                 ctx: SelectionContext) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Return (positions, values to send). Default: the selected entries as they are."""
+        idx = self.select(acc, density, ctx)
+        return idx, acc[idx]
+
+    def target_count(self, numel: int, density: float, ctx: SelectionContext) -> Optional[int]:
+        """The count this method aims at for a bucket (``None`` when it has no fixed target)."""
+        return k_for_density(numel, density)
+
+    def observe(self, aggregate: torch.Tensor, ctx: SelectionContext) -> None:
+        """See the step's aggregated gradient (identical on every rank). Default: ignore it."""
+
+    def state_dict(self) -> dict:
+        """Algorithm state that must survive a checkpoint (none for stateless methods)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

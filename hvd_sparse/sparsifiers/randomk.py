@@ -1,0 +1,31 @@
+"""Random-k: k positions drawn uniformly, as the unbiased-selection baseline."""
+import zlib
+
+import torch
+
+from .base import Sparsifier, k_for_density
+
+
+class RandomK(Sparsifier):
+    """k positions drawn without replacement from a private generator.
+
+    The generator is seeded from (seed, bucket, step, rank, direction) and never touches the
+    global RNG, so the user's random stream is unchanged. Uplink draws differ per rank; the
+    downlink draw is the same on every rank (rank is left out), keeping replicas identical.
+    """
+
+    name = "randomk"
+
+    def __init__(self, seed: int = 0):
+        self.seed = int(seed)
+
+    def select(self, acc, density, ctx):
+        k = k_for_density(acc.numel(), density)
+        rank = ctx.rank if ctx.direction == "up" else -1
+        key = f"{self.seed}:{ctx.bucket}:{ctx.step}:{rank}:{ctx.direction}".encode()
+        gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(key))
+        idx = torch.randperm(acc.numel(), generator=gen)[:k]
+        return torch.sort(idx).values.to(acc.device)
+
+    def __repr__(self):
+        return f"RandomK(seed={self.seed})"

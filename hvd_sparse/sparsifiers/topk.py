@@ -1,0 +1,11 @@
+"""Exact Top-K (Aji & Heafield 2017; Lin et al., DGC 2018): the k largest magnitudes."""
+from .base import Sparsifier, k_for_density, topk_indices
+
+
+class TopK(Sparsifier):
+    """Exact Top-K by magnitude at the requested density, ties by lowest index."""
+
+    name = "topk"
+
+    def select(self, acc, density, ctx):
+        return topk_indices(acc, k_for_density(acc.numel(), density))
