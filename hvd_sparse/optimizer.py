@@ -156,12 +156,17 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 if self._hs_velocity:
                     self._hs_velocity[b.index].velocity.zero_()
             wire_t, ctx = o.compression.compress(flat)
-            prescale, postscale = (1.0 / o.predivide, o.predivide) if o.average else (1.0, 1.0)
-            handle = self._hs_transport.allreduce_async(
-                wire_t, name, average=o.average, prescale=prescale, postscale=postscale)
-            self._hs_inflight[b.index] = _InFlight("dense", handle, ctx,
-                                                   wire_t.numel() * wire_t.element_size(),
-                                                   sparse_grads, b.numel, None, None)
+            nbytes = wire_t.numel() * wire_t.element_size()
+            if o.deterministic_dense:  # rank-order sum of gathered vectors: same bits every run
+                handle = self._hs_transport.allgather_async(wire_t, name)
+                kind = "dense_gather"
+            else:
+                prescale, postscale = (1.0 / o.predivide, o.predivide) if o.average else (1.0, 1.0)
+                handle = self._hs_transport.allreduce_async(
+                    wire_t, name, average=o.average, prescale=prescale, postscale=postscale)
+                kind = "dense"
+            self._hs_inflight[b.index] = _InFlight(kind, handle, ctx, nbytes, sparse_grads,
+                                                   b.numel, None, None)
             return
         up_density, _ = self._hs_density()
         residual = self._hs_uplink[b.index]
@@ -194,14 +199,27 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         job = self._hs_inflight[b.index]
         size = self._hs_transport.size()
         acc_dtype = aggregation.accumulation_dtype(b.dtype)
-        if job.kind == "dense":
-            out = o.compression.decompress(self._hs_transport.wait(job.handle), job.ctx)
+        if job.kind != "sparse":
+            received = self._hs_transport.wait(job.handle)
+            if job.kind == "dense_gather":
+                parts = received.view(size, -1)
+                out = torch.zeros(b.numel, dtype=acc_dtype, device=parts.device)
+                for r in range(size):  # rank order, never a reduction tree
+                    out.add_(o.compression.decompress(parts[r], job.ctx).to(acc_dtype))
+                scale = (1.0 / size) if o.average else 1.0
+                if scale != 1.0:
+                    out.mul_(scale)
+                received_bytes = (size - 1) * job.nbytes
+            else:
+                out = o.compression.decompress(received, job.ctx)
+                received_bytes = job.nbytes
             if b.sparse and self._hs.bidirectional:  # dense warm-start: flush the downlink too
                 residual = self._hs_downlink[b.index]
                 out = residual.accumulate(out.to(acc_dtype)).clone()
                 residual.buffer.zero_()
-            self._hs_stats.record(b.name, sent=job.nbytes, received=job.nbytes, dense=b.nbytes,
-                                  selected=b.numel, numel=b.numel, target=b.numel)
+            self._hs_stats.record(b.name, sent=job.nbytes, received=received_bytes,
+                                  dense=b.nbytes, selected=b.numel, numel=b.numel,
+                                  target=b.numel)
             return out
         gathered = self._hs_transport.wait(job.handle)
         payloads = wire.decode_all(gathered, size, tag=b.tag, numel=b.numel, bucket=b.name)
@@ -469,6 +487,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          max_density=None, sparsifier_options=None, index_coding=None,
                          momentum_correction=0.0, local_clip_norm=None, density_warmup_steps=0,
                          dense_warmup_steps=0, local_steps=1, track_error=True,
+                         deterministic_dense=True,
                          scope="tensor", bucket_cap_mb=25.0, min_sparse_numel=1024,
                          transport=None, **unknown):
     """Wrap ``optimizer`` so gradients are exchanged sparsely (drop-in for Horovod's).
@@ -494,6 +513,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     ``local_steps`` > 1 is SBC's communication delay: that many local steps, then the accumulated
     weight update is exchanged instead of gradients. ``track_error`` keeps the per-step
     compression error ``||acc - sent||^2`` in the statistics (one extra pass per bucket).
+    ``deterministic_dense`` (default) exchanges dense buckets by allgather and a rank-order sum,
+    so results do not depend on how Horovod fuses and reduces (with 3 or more ranks an allreduce's
+    summation order, hence its rounding, can change from run to run); ``False`` uses
+    Horovod's allreduce, which moves fewer bytes for large dense buckets.
     """
     if unknown:
         raise TypeError("hvd_sparse.DistributedOptimizer got unexpected keyword argument(s): "
@@ -613,7 +636,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                        local_clip_norm=local_clip_norm,
                        density_warmup_steps=density_warmup_steps,
                        dense_warmup_steps=dense_warmup_steps, local_steps=local_steps,
-                       track_error=bool(track_error))
+                       track_error=bool(track_error), deterministic_dense=bool(deterministic_dense))
     wrapped._hs_init(named, transport, options, plan)
     return wrapped
 

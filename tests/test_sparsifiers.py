@@ -1,0 +1,231 @@
+"""Each sparsifier's defining property, against numpy references (single process)."""
+import numpy as np
+import pytest
+import torch
+
+import hvd_sparse
+from hvd_sparse import golomb, wire
+from hvd_sparse.dgc import MomentumCorrection, clip_local, warmup_density
+from hvd_sparse.sparsifiers import (AdaptiveTopK, GaussianK, HardThreshold, RandomK,
+                                    SelectionContext, SparseBinary, k_for_density,
+                                    threshold_for_k)
+from hvd_sparse.transport import LocalTransport
+
+CTX = SelectionContext("bucket")
+
+
+def sample(kind, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "gaussian":
+        return torch.randn(n, generator=g) * 0.01 + 0.001
+    if kind == "student_t2":  # heavy tails: infinite variance
+        z = torch.randn(n, generator=g)
+        chi = torch.randn(n, 2, generator=g).pow(2).sum(1)
+        return z / (chi / 2).sqrt()
+    if kind == "laplace":
+        u = torch.rand(n, generator=g) - 0.5
+        return -u.sign() * torch.log1p(-2 * u.abs())
+    if kind == "sparse_spiky":  # mostly tiny, a few huge
+        x = torch.randn(n, generator=g) * 1e-4
+        x[torch.randperm(n, generator=g)[:50]] = 100.0
+        return x
+    raise ValueError(kind)
+
+
+def is_threshold_set(x, idx):
+    """Every selected magnitude >= every unselected one."""
+    mask = np.zeros(x.numel(), bool)
+    mask[idx.numpy()] = True
+    mag = x.abs().numpy()
+    return mask.all() or (~mask).all() or mag[mask].min() >= mag[~mask].max()
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "student_t2", "laplace", "sparse_spiky"])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
+def test_gaussiank_count_within_its_bounds(kind, density):
+    gk = GaussianK(slack=2.0, max_passes=3)
+    for seed in range(3):
+        x = sample(kind, 100_000, seed)
+        idx = gk.select(x, density, CTX)
+        k = k_for_density(x.numel(), density)
+        lo, hi = gk.bounds(k)
+        assert lo <= idx.numel() <= hi, (kind, idx.numel(), k)
+        assert 1 <= gk.last_passes <= 3
+        assert torch.equal(idx, torch.sort(idx).values) and idx.unique().numel() == idx.numel()
+        assert is_threshold_set(x, idx)
+
+
+def test_gaussiank_on_gaussian_data_needs_no_fallback():
+    gk = GaussianK()
+    gk.select(sample("gaussian", 200_000, 0), 0.01, CTX)
+    assert not gk.last_fallback and gk.last_passes == 1
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.5, 1.5, 100.0])
+def test_hard_threshold_selects_exactly_above_lambda(lam):
+    x = sample("laplace", 10_000, 1)
+    idx = HardThreshold(lam).select(x, 0.01, CTX).numpy()
+    assert np.array_equal(idx, np.flatnonzero(np.abs(x.numpy()) >= lam))
+    if lam == 100.0:
+        assert idx.size == 0
+
+
+def test_threshold_rules_of_thumb():
+    x = sample("laplace", 50_000, 2)
+    lam = threshold_for_k(x, 500, rule="sample")
+    assert HardThreshold(lam).select(x, 0, CTX).numel() == 500
+    lam_c = threshold_for_k(x, 500, rule="chebyshev")
+    assert HardThreshold(lam_c).select(x, 0, CTX).numel() <= 500
+    with pytest.raises(ValueError):
+        threshold_for_k(x, 5, rule="guess")
+
+
+def test_adaptive_stays_within_budget_and_follows_the_error():
+    n, density, steps = 10_000, 0.01, 200
+    budget = density * n * steps
+    g = torch.Generator().manual_seed(0)
+    ad = AdaptiveTopK(total_steps=steps, gamma=1.0)
+    ks = []
+    for t in range(steps):
+        ctx = SelectionContext("b", step=t)
+        x = torch.randn(n, generator=g)
+        ks.append(ad.select(x, density, ctx).numel())
+        # the gradient energy jumps by 10x in the second half of every 50-step period
+        scale = 10.0 if (t // 25) % 2 else 1.0
+        ad.observe(x * scale, ctx)
+    assert sum(ks) <= budget
+    assert sum(ks) >= 0.8 * budget  # and the budget is actually used
+    lo, hi = k_for_density(n, density / 10), k_for_density(n, density * 10)
+    assert all(lo <= k <= hi for k in ks)
+    ks = np.array(ks)
+    loud = [t for t in range(1, steps) if ((t - 1) // 25) % 2 == 1]
+    quiet = [t for t in range(1, steps) if ((t - 1) // 25) % 2 == 0]
+    assert ks[loud].mean() > 2 * ks[quiet].mean()  # more k where the error would be larger
+
+
+def test_adaptive_k_rises_when_error_grows():
+    ad = AdaptiveTopK(total_steps=100)
+    ctx = SelectionContext("b")
+    ad.observe(torch.ones(1000), ctx)
+    k_flat = ad.k_for_step(1000, 0.05, "b")
+    ad.observe(torch.ones(1000) * 3, ctx)
+    assert ad.k_for_step(1000, 0.05, "b") > k_flat
+    ad2 = AdaptiveTopK(total_steps=100)
+    ad2.observe(torch.ones(1000), ctx)
+    ad2.observe(torch.ones(1000) * 0.2, ctx)
+    assert ad2.k_for_step(1000, 0.05, "b") < k_flat
+    with pytest.raises(ValueError, match="total_steps"):
+        AdaptiveTopK(total_steps=0)
+
+
+def test_sbc_payload_one_value_per_position_with_the_right_sign():
+    for seed, shift in ((0, 0.5), (1, -0.5), (2, 0.0)):
+        x = sample("laplace", 20_000, seed) + shift
+        idx, vals = SparseBinary().compress(x, 0.01, CTX)
+        k = k_for_density(x.numel(), 0.01)
+        pos_mean = torch.topk(x, k).values.mean()
+        neg_mean = torch.topk(-x, k).values.mean()  # magnitude of the negative side
+        sign = 1.0 if pos_mean >= neg_mean else -1.0
+        assert idx.numel() == k
+        assert torch.all(torch.sign(x[idx]) == sign)
+        expected_mean = pos_mean if sign > 0 else -neg_mean
+        assert torch.allclose(vals[0], expected_mean.to(vals.dtype), rtol=1e-6)
+        buf = wire.encode(idx, vals, index_dtype=torch.int32, tag=7, numel=x.numel(),
+                          index_coding="golomb", constant=True)
+        (p,) = wire.decode_all(buf, 1, tag=7, numel=x.numel(), bucket="b")
+        assert torch.equal(p.indices, idx)
+        assert p.values.numel() == k and torch.all(p.values == vals[0])
+        bits_per_position = (buf.numel() - 16 - 8 - 8) * 8 / k
+        assert bits_per_position < 32  # far below int32 indices
+
+
+@pytest.mark.parametrize("case", ["random", "empty", "all_ones", "single_last", "huge_gap",
+                                  "adjacent_pairs"])
+@pytest.mark.parametrize("b", [0, 1, 4, 9, 17])
+def test_golomb_rice_round_trips(case, b):
+    rng = np.random.default_rng(b)
+    n = 5000
+    positions = {
+        "random": np.flatnonzero(rng.random(n) < 0.01),
+        "empty": np.array([], dtype=np.int64),
+        "all_ones": np.arange(n),
+        "single_last": np.array([n - 1]),
+        "huge_gap": np.array([0, 3_000_000]),
+        "adjacent_pairs": np.array([10, 11, 500, 501, 4998, 4999]),
+    }[case]
+    data = golomb.encode(positions, b)
+    assert np.array_equal(golomb.decode(data, positions.size, b), positions)
+    with pytest.raises(ValueError):
+        golomb.encode(np.array([3, 3]), b)
+
+
+@pytest.mark.parametrize("density,expected", [(0.001, 11.49), (0.01, 8.11)])
+def test_golomb_bits_approach_the_entropy_bound(density, expected):
+    rng = np.random.default_rng(0)
+    positions = np.flatnonzero(rng.random(2_000_000) < density)
+    b = golomb.optimal_parameter(density)
+    bits = len(golomb.encode(positions, b)) * 8 / positions.size
+    assert abs(bits - expected) < 0.1
+    assert bits < golomb.entropy_bits_per_position(density) * 1.02
+
+
+def test_randomk_leaves_the_global_rng_alone_and_agrees_on_the_downlink():
+    x = torch.randn(10_000)
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    rk = RandomK(seed=5)
+    up0 = rk.select(x, 0.01, SelectionContext("b", step=3, rank=0, direction="up"))
+    up1 = rk.select(x, 0.01, SelectionContext("b", step=3, rank=1, direction="up"))
+    d0 = rk.select(x, 0.01, SelectionContext("b", step=3, rank=0, direction="down"))
+    d1 = rk.select(x, 0.01, SelectionContext("b", step=3, rank=1, direction="down"))
+    assert torch.equal(torch.rand(3), before)  # global stream untouched
+    assert up0.numel() == 100 and not torch.equal(up0, up1) and torch.equal(d0, d1)
+    assert torch.equal(up0, rk.select(x, 0.01, SelectionContext("b", 3, 0, "up")))
+
+
+def test_dgc_aids():
+    sched = [warmup_density(t, 0.001, 100) for t in range(120)]
+    assert sched[0] > 0.9 and sched[-1] == 0.001
+    assert all(a >= b for a, b in zip(sched, sched[1:]))
+    mc = MomentumCorrection(0.9)
+    u = mc.apply(torch.ones(4)).clone()
+    u2 = mc.apply(torch.ones(4))
+    assert torch.allclose(u2, 1.9 * u)
+    mc.mask(torch.tensor([1, 2]))
+    assert mc.velocity.tolist() == pytest.approx([1.9, 0, 0, 1.9])
+    g = torch.full((100,), 1.0)
+    clip_local(g, clip_norm=2.0, world_size=4)
+    assert torch.linalg.vector_norm(g).item() == pytest.approx(1.0, rel=1e-5)
+
+
+SPARSIFIER_ARGS = {
+    "topk": {}, "gaussiank": {}, "randomk": {}, "sbc": {},
+    "threshold": {"threshold": 0.05}, "adaptive": {"total_steps": 20},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPARSIFIER_ARGS))
+def test_every_sparsifier_conserves_mass_in_the_optimizer(name):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(100, 50)
+    opt = hvd_sparse.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.01), named_parameters=m.named_parameters(),
+        density=0.05, bidirectional=False, sparsifier=name, min_sparse_numel=0,
+        transport=LocalTransport(), **SPARSIFIER_ARGS[name])
+    for step in range(5):
+        before = {n: (opt._hs_uplink[i].buffer.clone() if opt._hs_uplink[i].buffer is not None
+                      else torch.zeros(p.numel()))
+                  for i, (n, p) in enumerate(m.named_parameters())}
+        opt.zero_grad()
+        m(torch.randn(16, 100)).pow(2).mean().backward()
+        acc = {n: p.grad.reshape(-1) + before[n] for n, p in m.named_parameters()}
+        opt.step()
+        for i, (n, p) in enumerate(m.named_parameters()):
+            rebuilt = p.grad.reshape(-1) + opt._hs_uplink[i].buffer
+            if name == "sbc":  # sent values are a mean, not the entries: one rounding
+                assert torch.allclose(rebuilt, acc[n], rtol=0, atol=1e-6)
+            else:
+                assert torch.equal(rebuilt, acc[n]), (name, n, step)
+    stats = opt.communication_stats()
+    assert stats["totals"]["compression_error"] > 0
