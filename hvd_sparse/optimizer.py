@@ -28,6 +28,7 @@ from .dgc import MomentumCorrection, clip_local, warmup_density
 from .feedback import Residual
 from .sparsifiers import SelectionContext, Sparsifier, make_sparsifier
 from .stats import CommunicationStats
+from .transport import make_transport
 
 STATE_KEY = "hvd_sparse"
 STATE_FORMAT = 1
@@ -69,6 +70,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._parameter_names = {p: n for n, p in named_parameters}
         self.backward_passes_per_step = options.backward_passes_per_step
         self._hs_buckets = buckets
+        # Backward produces gradients last layer first: launching in that order lets an
+        # order-matched transport start early buckets while backward is still running.
+        self._hs_launch_order = list(reversed(buckets))
         self._hs_bucket_of = {p: b for b in buckets for p in b.params}
         self._requires_update = set(self._hs_bucket_of)
         self._allreduce_delay = {p: self.backward_passes_per_step for p in self._hs_bucket_of}
@@ -106,9 +110,25 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             if self._allreduce_delay[p] == 0 and self._hs.local_steps == 1:
                 b = self._hs_bucket_of[p]
                 self._hs_ready[b.index] += 1
-                if self._hs_ready[b.index] == len(b.params) and b.index not in self._hs_inflight:
-                    self._hs_launch(b, *self._hs_flat_grad(b))
+                if self._hs_ready[b.index] == len(b.params):
+                    self._hs_launch_ready()
         return hook
+
+    def _hs_launch_ready(self):
+        """Start the exchange of complete buckets.
+
+        Name-matched transports (Horovod) start any complete bucket at once. Order-matched ones
+        (MPI) start buckets only in the fixed launch order, so every rank issues the same
+        sequence of collectives even when gradients arrive differently.
+        """
+        ordered = self._hs_transport.ordered
+        for b in self._hs_launch_order:
+            if b.index in self._hs_inflight:
+                continue
+            if self._hs_ready[b.index] == len(b.params):
+                self._hs_launch(b, *self._hs_flat_grad(b))
+            elif ordered:
+                break
 
     # ----------------------------------------------------------------- one bucket
     def _hs_flat_grad(self, b):
@@ -259,7 +279,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     def _hs_exchange_all(self, write):
         """Launch what is not in flight, finish every bucket in order, hand each result on."""
-        for b in self._hs_buckets:
+        for b in self._hs_launch_order:
             if b.index not in self._hs_inflight:
                 self._hs_launch(b, *self._hs_flat_grad(b))
         try:
@@ -330,7 +350,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_reset_round()
         self._hs_local_count += 1
         if self._hs_local_count % self._hs.local_steps == 0 and self._hs_transport.included():
-            for b in self._hs_buckets:
+            for b in self._hs_launch_order:
                 self._hs_launch(b, self._hs_flat_params(b) - self._hs_anchor[b.index], [])
             self._hs_exchange_all(self._hs_apply_delta)
         return result
@@ -614,11 +634,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             trainable.append((name_of[id(p)], p))
     plan = bucketing.plan_buckets(trainable, scope=scope, bucket_cap_mb=bucket_cap_mb,
                                   groups=groups, min_sparse_numel=min_sparse_numel)
-    if transport is None:
-        from .transport import HorovodTransport
-        transport = HorovodTransport(process_set)
-    elif process_set is not None:
-        raise ValueError("pass process_set to the transport, not with transport=")
+    transport = make_transport(transport, process_set)
 
     base = type(optimizer)
     body = {k: v for k, v in _SparseDistributedOptimizer.__dict__.items()

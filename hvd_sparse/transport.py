@@ -11,7 +11,13 @@ import torch
 
 
 class Transport:
-    """Interface of a collective back end."""
+    """Interface of a collective back end.
+
+    ``ordered``: the back end matches collectives by the order they are started (MPI) rather than
+    by name (Horovod), so the optimizer starts them in one fixed order on every rank.
+    """
+
+    ordered = False
 
     def size(self) -> int:
         raise NotImplementedError
@@ -85,3 +91,146 @@ class LocalTransport(Transport):
 
     def wait(self, handle):
         return handle
+
+
+class MPITransport(Transport):
+    """mpi4py back end for clusters without Horovod: ``Iallgatherv`` / ``Iallreduce``.
+
+    MPI matches collectives by call order, so ``ordered`` is set and the optimizer starts buckets
+    in a fixed order on every rank. Per-rank sizes are exchanged with a tiny ``Allgather`` before
+    the ``Iallgatherv``. CUDA tensors go to MPI as device buffers when MPI is CUDA-aware
+    (``HVD_SPARSE_CUDA_AWARE_MPI=1``, or Open MPI reporting CUDA support), otherwise through host
+    memory.
+    """
+
+    ordered = True
+
+    def __init__(self, comm=None):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.cuda_aware = _cuda_aware_mpi()
+
+    def size(self) -> int:
+        return self.comm.Get_size()
+
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    def _staged(self, tensor):
+        if tensor.device.type == "cpu" or self.cuda_aware:
+            return tensor.contiguous()
+        return tensor.detach().cpu()
+
+    def _buffer(self, t):
+        """An MPI byte buffer over a torch tensor's memory (host or CUDA-aware device)."""
+        if t.device.type == "cpu":
+            return t.view(torch.uint8).numpy()
+        torch.cuda.current_stream(t.device).synchronize()  # the data must be complete
+        return t.view(torch.uint8)  # exposes __cuda_array_interface__
+
+    def allgather_async(self, payload, name):
+        import numpy as np
+
+        MPI = self.MPI
+        src = self._staged(payload).reshape(-1)
+        nbytes = src.numel() * src.element_size()
+        counts = np.empty(self.size(), dtype=np.int64)
+        self.comm.Allgather(np.array([nbytes], dtype=np.int64), counts)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        out = torch.empty(int(counts.sum()), dtype=torch.uint8, device=src.device)
+        req = self.comm.Iallgatherv([self._buffer(src), MPI.BYTE],
+                                    [self._buffer(out), counts, displs, MPI.BYTE])
+        return ("gather", req, out, src, payload.dtype, payload.device)
+
+    def allreduce_async(self, tensor, name, *, average, prescale=1.0, postscale=1.0):
+        import numpy as np
+
+        MPI = self.MPI
+        work = self._staged(tensor).reshape(-1)
+        wire_dtype = work.dtype
+        if work.dtype in (torch.float16, torch.bfloat16):  # MPI has no half-precision SUM
+            work = work.float()
+        else:
+            work = work.clone()
+        if prescale != 1.0:
+            work.mul_(prescale)
+        out = torch.empty_like(work)
+        mpi_type = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}[work.dtype]
+        bufs = [work.numpy(), out.numpy()] if work.device.type == "cpu" else [work, out]
+        req = self.comm.Iallreduce([bufs[0], mpi_type], [bufs[1], mpi_type], op=MPI.SUM)
+        scale = postscale / self.size() if average else postscale
+        return ("reduce", req, out, (work, scale), wire_dtype, tensor.device)
+
+    def wait(self, handle):
+        """Complete a collective; returns the gathered bytes (as the payload's dtype) or the sum."""
+        kind, req, out, keep, dtype, device = handle
+        req.Wait()
+        if kind == "gather":
+            result = out.view(dtype)
+        else:
+            _work, scale = keep  # the send buffer must live until the request completes
+            if scale != 1.0:
+                out.mul_(scale)
+            result = out.to(dtype)
+        return result.to(device) if result.device != device else result
+
+
+def _cuda_aware_mpi() -> bool:
+    import os
+
+    flag = os.environ.get("HVD_SPARSE_CUDA_AWARE_MPI")
+    if flag is not None:
+        return flag == "1"
+    try:
+        from mpi4py import MPI
+
+        return "cuda" in MPI.Get_library_version().lower() and \
+            os.environ.get("OMPI_MCA_opal_cuda_support", "true") != "false"
+    except Exception:  # pragma: no cover
+        return False
+
+
+def make_transport(spec=None, process_set=None) -> Transport:
+    """The ``transport=`` keyword: an instance, ``"horovod"``, ``"mpi"``, ``"local"`` or ``None``.
+
+    ``None`` (or the environment variable ``HVD_SPARSE_TRANSPORT``) picks Horovod when it is
+    installed and initialised, else mpi4py when it is installed, else Horovod (whose error then
+    says what is missing).
+    """
+    import os
+
+    if isinstance(spec, Transport):
+        if process_set is not None:
+            raise ValueError("pass process_set to the transport, not with transport=")
+        return spec
+    spec = spec or os.environ.get("HVD_SPARSE_TRANSPORT") or None
+    if spec is None:
+        try:
+            import horovod.torch as hvd
+
+            if hvd.is_initialized():
+                spec = "horovod"
+        except ImportError:
+            pass
+        if spec is None:
+            try:
+                import mpi4py  # noqa: F401
+
+                spec = "mpi"
+            except ImportError:
+                spec = "horovod"
+    if spec == "horovod":
+        try:
+            return HorovodTransport(process_set)
+        except ImportError as e:
+            raise ImportError("transport='horovod' needs Horovod (launch/setup.sh builds it); "
+                              f"or use transport='mpi' with mpi4py ({e})") from e
+    if process_set is not None:
+        raise ValueError(f"process_set is a Horovod feature; transport={spec!r} does not take it")
+    if spec == "mpi":
+        return MPITransport()
+    if spec == "local":
+        return LocalTransport()
+    raise ValueError(f"transport={spec!r} is not one of 'horovod', 'mpi', 'local' or a Transport")

@@ -34,11 +34,13 @@ def launch_command(launcher, np_, *python_args):
     raise ValueError(launcher)
 
 
-def run_ranks(launcher, np_, worker, outdir, *args, timeout=240):
+def run_ranks(launcher, np_, worker, outdir, *args, timeout=240, env=None):
     """Run ``tests/workers/<worker>`` on ``np_`` ranks; return the per-rank JSON results."""
     cmd = launch_command(launcher, np_, WORKERS / worker, outdir, *args)
+    full_env = _env()
+    full_env.update(env or {})
     try:
-        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{launcher} -np {np_} {worker} hung past {timeout}s:\n{e.stdout}\n{e.stderr}")
     results = []
@@ -49,6 +51,13 @@ def run_ranks(launcher, np_, worker, outdir, *args, timeout=240):
                         f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
         results.append(json.loads(path.read_text()))
     return proc, results
+
+
+@pytest.fixture(scope="session")
+def mpi4py_available():
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun is not installed (run launch/setup.sh)")
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (run launch/setup.sh)")
 
 
 @pytest.fixture(scope="session")

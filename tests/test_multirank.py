@@ -5,14 +5,19 @@ from conftest import run_ranks
 
 pytestmark = pytest.mark.multirank
 
-CONFIGS = [("mpirun", 2), ("mpirun", 3), ("horovodrun", 2), ("horovodrun", 3)]
+# (launcher, ranks, backend): Horovod under both of its controllers, and the mpi4py transport
+# under plain mpirun with Horovod made unimportable.
+CONFIGS = [("mpirun", 2, "horovod"), ("mpirun", 3, "horovod"), ("horovodrun", 2, "horovod"),
+           ("horovodrun", 3, "horovod"), ("mpirun", 2, "mpi"), ("mpirun", 3, "mpi")]
 
 
-@pytest.fixture(scope="module", params=CONFIGS, ids=[f"{l}-np{n}" for l, n in CONFIGS])
-def core(request, tmp_path_factory, mpi_available):
-    launcher, np_ = request.param
-    out = tmp_path_factory.mktemp(f"core-{launcher}-{np_}")
-    proc, results = run_ranks(launcher, np_, "core_scenarios.py", out)
+@pytest.fixture(scope="module", params=CONFIGS, ids=[f"{l}-np{n}-{b}" for l, n, b in CONFIGS])
+def core(request, tmp_path_factory):
+    launcher, np_, backend = request.param
+    request.getfixturevalue("mpi4py_available" if backend == "mpi" else "mpi_available")
+    out = tmp_path_factory.mktemp(f"core-{launcher}-{np_}-{backend}")
+    proc, results = run_ranks(launcher, np_, "core_scenarios.py", out,
+                              env={"HVD_SPARSE_TEST_BACKEND": backend})
     for r in results:
         assert "errors" not in r, f"rank {r['rank']} failed:\n" + "\n".join(r["errors"].values())
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,117 @@
+"""Horovod-free API over mpi4py: ``import hvd_sparse.mpi as hvd`` under plain ``mpirun -np N``.
+
+For clusters where Horovod cannot be built. It offers what a data-parallel training script needs
+around the optimizer (``init``, ``rank``, ``size``, ``local_rank``, ``broadcast_parameters``,
+``broadcast_optimizer_state``, ``allreduce``, ``allgather``, ``allgather_object``,
+``broadcast_object``, ``Average``/``Sum``, ``Compression``) and a ``DistributedOptimizer`` that
+uses :class:`hvd_sparse.transport.MPITransport`. It never imports Horovod.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import compat
+from .compat import Adasum, Average, Compression, Sum  # noqa: F401
+from .optimizer import DistributedOptimizer as _DistributedOptimizer
+from .transport import MPITransport
+
+_comm = None
+
+
+def init(comm=None):
+    """Start MPI (mpi4py does on import) and remember the communicator."""
+    global _comm
+    from mpi4py import MPI
+
+    _comm = comm if comm is not None else MPI.COMM_WORLD
+
+
+def _c():
+    if _comm is None:
+        raise ValueError("hvd_sparse.mpi has not been initialized; call hvd_sparse.mpi.init()")
+    return _comm
+
+
+def is_initialized() -> bool:
+    return _comm is not None
+
+
+def rank() -> int:
+    return _c().Get_rank()
+
+
+def size() -> int:
+    return _c().Get_size()
+
+
+def local_rank() -> int:
+    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return _c().Split_type(__import__("mpi4py").MPI.COMM_TYPE_SHARED).Get_rank()
+
+
+def shutdown():
+    global _comm
+    _comm = None
+
+
+def barrier():
+    _c().Barrier()
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    return _c().bcast(obj, root=root_rank)
+
+
+def allgather_object(obj, name=None):
+    return _c().allgather(obj)
+
+
+def allreduce(tensor, op=None, name=None):
+    """Average (default) or sum of ``tensor`` over ranks; returns a new tensor."""
+    t = MPITransport(_c())
+    op = compat.Average if op is None else op
+    out = t.wait(t.allreduce_async(tensor, name or "allreduce", average=op == compat.Average))
+    return out.view(tensor.shape)
+
+
+def allgather(tensor, name=None):
+    """Concatenate every rank's tensor along dimension 0 (sizes may differ)."""
+    t = MPITransport(_c())
+    flat = t.wait(t.allgather_async(tensor.contiguous().reshape(-1), name or "allgather"))
+    return flat.view(-1, *tensor.shape[1:])
+
+
+def broadcast_parameters(params, root_rank=0):
+    """Copy rank ``root_rank``'s parameters (a state_dict or named parameters) to every rank."""
+    items = params.items() if isinstance(params, dict) else params
+    comm = _c()
+    with torch.no_grad():
+        for _, p in sorted(items, key=lambda kv: kv[0]):
+            if not isinstance(p, torch.Tensor):
+                continue
+            host = p.detach().cpu().contiguous().clone()
+            if host.numel() == 0:
+                continue
+            comm.Bcast(host.reshape(-1).view(torch.uint8).numpy(), root=root_rank)
+            p.copy_(host.to(p.device))
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0):
+    """Give every rank rank ``root_rank``'s optimizer state (hvd_sparse's own state excluded:
+    residuals are per rank and stay as they are)."""
+    sd = optimizer.state_dict()
+    mine = sd.pop("hvd_sparse", None)
+    sd = broadcast_object(sd, root_rank)
+    if mine is not None:
+        sd["hvd_sparse"] = mine
+    optimizer.load_state_dict(sd)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, **kwargs):
+    """:func:`hvd_sparse.DistributedOptimizer` over mpi4py (see its documentation)."""
+    kwargs.setdefault("transport", MPITransport(_c()))
+    return _DistributedOptimizer(optimizer, named_parameters, **kwargs)
