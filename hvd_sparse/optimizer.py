@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import aggregation, buckets as bucketing, wire
+from . import aggregation, buckets as bucketing, costmodel, wire
 from .dgc import MomentumCorrection, clip_local, warmup_density
 from .feedback import Residual
 from .sparsifiers import SelectionContext, Sparsifier, make_sparsifier
@@ -32,6 +32,10 @@ from .transport import make_transport
 
 STATE_KEY = "hvd_sparse"
 STATE_FORMAT = 1
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 class _InFlight(NamedTuple):
@@ -159,16 +163,36 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         return warmup_density(self._hs_steps, o.density, o.density_warmup_steps), \
             warmup_density(self._hs_steps, o.downlink_density, o.density_warmup_steps)
 
-    def _hs_dense_round(self, b):
-        """Buckets too small to sparsify, and every bucket during the dense warm-start."""
-        return (not b.sparse) or self._hs_steps < self._hs.dense_warmup_steps
+    def _hs_dense_mode(self, b):
+        """How a bucket goes dense this step: ``None`` (it does not), ``"gather"`` or ``"reduce"``.
+
+        Dense exchanges are gathered and summed in rank order when ``deterministic_dense``
+        (bitwise-exact resume), else allreduced (fewer bytes at scale, but with 3 or more ranks
+        its summation order may vary between runs). Buckets too small to sparsify and the dense
+        warm-start always go dense; the cost model's fallback does when the chosen dense
+        exchange would move no more bytes than the sparse allgather.
+        """
+        o = self._hs
+        mode = "gather" if o.deterministic_dense else "reduce"
+        if not b.sparse or self._hs_steps < o.dense_warmup_steps:
+            return mode
+        if o.dense_fallback:
+            up, _ = self._hs_density()
+            k = o.sparsifier.target_count(b.numel, up, self._hs_context(b, "up"))
+            if k is not None and costmodel.prefer_dense(
+                    b.numel, k, self._hs_transport.size(), _itemsize(b.index_dtype),
+                    _itemsize(o.value_dtype or b.dtype), _itemsize(b.dtype),
+                    dense_by="gather" if mode == "gather" else "ring"):
+                return mode
+        return None
 
     def _hs_launch(self, b, flat, sparse_grads):
         o = self._hs
         name = f"hvd_sparse.{b.index}.{b.name}"
         if o.local_clip_norm is not None:
             flat = clip_local(flat, o.local_clip_norm, self._hs_transport.size())
-        if self._hs_dense_round(b):
+        dense_mode = self._hs_dense_mode(b)
+        if dense_mode:
             if b.sparse:  # dense warm-start: flush what error feedback holds into this exchange
                 source = self._hs_velocity[b.index].apply(flat) if self._hs_velocity else flat
                 flat = self._hs_uplink[b.index].accumulate(source).clone()
@@ -177,7 +201,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                     self._hs_velocity[b.index].velocity.zero_()
             wire_t, ctx = o.compression.compress(flat)
             nbytes = wire_t.numel() * wire_t.element_size()
-            if o.deterministic_dense:  # rank-order sum of gathered vectors: same bits every run
+            if dense_mode == "gather":  # rank-order sum of gathered vectors: same bits every run
                 handle = self._hs_transport.allgather_async(wire_t, name)
                 kind = "dense_gather"
             else:
@@ -195,7 +219,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         ctx_sel = self._hs_context(b, "up")
         idx, values = o.sparsifier.compress(acc, up_density, ctx_sel)
         target = o.sparsifier.target_count(b.numel, up_density, ctx_sel)
-        scaled = values.to(b.dtype)
+        scaled = values.to(o.value_dtype or b.dtype)
         if o.average and o.predivide != 1.0:
             scaled = scaled * (1.0 / o.predivide)
         wire_values, ctx = o.compression.compress(scaled)
@@ -507,7 +531,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          max_density=None, sparsifier_options=None, index_coding=None,
                          momentum_correction=0.0, local_clip_norm=None, density_warmup_steps=0,
                          dense_warmup_steps=0, local_steps=1, track_error=True,
-                         deterministic_dense=True,
+                         deterministic_dense=True, dense_fallback=True, value_dtype=None,
                          scope="tensor", bucket_cap_mb=25.0, min_sparse_numel=1024,
                          transport=None, **unknown):
     """Wrap ``optimizer`` so gradients are exchanged sparsely (drop-in for Horovod's).
@@ -537,6 +561,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     so results do not depend on how Horovod fuses and reduces (with 3 or more ranks an allreduce's
     summation order, hence its rounding, can change from run to run); ``False`` uses
     Horovod's allreduce, which moves fewer bytes for large dense buckets.
+    ``dense_fallback`` (default) sends a bucket by dense allreduce, error feedback included,
+    when the cost model (:mod:`hvd_sparse.costmodel`) says the allgather would move more bytes.
+    ``value_dtype`` (``torch.float16``/``bfloat16``/``float32``) sets the value type on the wire;
+    the rounding error stays in the residual.
     """
     if unknown:
         raise TypeError("hvd_sparse.DistributedOptimizer got unexpected keyword argument(s): "
@@ -613,6 +641,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             raise ValueError(f"{key} must be a non-negative int, got {value!r}")
     if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
         raise ValueError(f"local_steps must be an int >= 1, got {local_steps!r}")
+    if value_dtype is not None and value_dtype not in (torch.float16, torch.bfloat16,
+                                                       torch.float32, torch.float64):
+        raise ValueError(f"value_dtype must be a floating torch dtype, got {value_dtype!r}")
     if local_steps > 1 and backward_passes_per_step != 1:
         raise ValueError("local_steps > 1 (communication delay) and backward_passes_per_step > 1 "
                          "cannot be combined")
@@ -652,7 +683,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                        local_clip_norm=local_clip_norm,
                        density_warmup_steps=density_warmup_steps,
                        dense_warmup_steps=dense_warmup_steps, local_steps=local_steps,
-                       track_error=bool(track_error), deterministic_dense=bool(deterministic_dense))
+                       track_error=bool(track_error), deterministic_dense=bool(deterministic_dense),
+                       dense_fallback=bool(dense_fallback), value_dtype=value_dtype)
     wrapped._hs_init(named, transport, options, plan)
     return wrapped
 

@@ -94,3 +94,12 @@ def test_bad_input_raises_clearly_on_every_rank(core):
         assert r["bad_input_survived"]
     # the same message on every rank
     assert all(r["bad_input_errors"] == core[0]["bad_input_errors"] for r in core)
+
+
+def test_cost_model_falls_back_to_dense_identically_on_all_ranks(core):
+    for r in core:
+        for det in (True, False):
+            f = r[f"fallback_det{det}"]
+            assert f["selected"] == f["numel"] and f["equal"]
+        selected, numel = r["no_fallback_selected"]
+        assert selected < numel / 10

@@ -82,7 +82,8 @@ def scenario_reference(res):
     m = make_model(1)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
                                    named_parameters=m.named_parameters(), density=0.1,
-                                   downlink_density=0.05, min_sparse_numel=0)
+                                   downlink_density=0.05, min_sparse_numel=0,
+                                   dense_fallback=False)
     names = [n for n, _ in m.named_parameters()]
     up = [{n: 0.0 for n in names} for _ in range(size)]
     down = {n: 0.0 for n in names}
@@ -313,8 +314,29 @@ def scenario_bad_input(res):
     res["bad_input_survived"] = True
 
 
+def scenario_dense_fallback(res):
+    """The cost model sends a bucket dense when P * density makes the allgather too big."""
+    for det in (True, False):
+        m = make_model(8)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
+                                       named_parameters=m.named_parameters(), density=0.7,
+                                       min_sparse_numel=0, deterministic_dense=det)
+        train(m, opt, 5)
+        s = opt.communication_stats()
+        res[f"fallback_det{det}"] = {"selected": s["selected"], "numel": s["numel"],
+                                     "equal": all_equal_digest(flat_params(m))}
+    m = make_model(8)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
+                                   named_parameters=m.named_parameters(), density=0.01,
+                                   min_sparse_numel=0, deterministic_dense=False)
+    train(m, opt, 2)
+    s = opt.communication_stats()
+    res["no_fallback_selected"] = [s["selected"], s["numel"]]
+
+
 SCENARIOS = [scenario_bad_input, scenario_reference, scenario_bitwise, scenario_dense_equivalence,
-             scenario_bpps_guards, scenario_missing_grad, scenario_checkpoint]
+             scenario_bpps_guards, scenario_missing_grad, scenario_checkpoint,
+             scenario_dense_fallback]
 
 
 def main():

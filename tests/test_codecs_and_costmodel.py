@@ -1,0 +1,50 @@
+"""Wire value types, the cost model, and the transport choice (single process)."""
+import pytest
+import torch
+
+import hvd_sparse
+from hvd_sparse import costmodel
+from hvd_sparse.transport import LocalTransport, MPITransport, make_transport
+
+
+@pytest.mark.parametrize("vdtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_value_dtype_on_the_wire_keeps_rounding_in_the_residual(vdtype):
+    m = torch.nn.Linear(100, 20, bias=False)
+    opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0),
+                                          named_parameters=m.named_parameters(), density=0.1,
+                                          bidirectional=False, value_dtype=vdtype,
+                                          transport=LocalTransport())
+    torch.manual_seed(0)
+    m(torch.randn(4, 100)).sin().sum().backward()
+    raw = m.weight.grad.detach().clone().reshape(-1)
+    opt.step()
+    applied = m.weight.grad.reshape(-1)
+    sent = applied != 0
+    assert int(sent.sum()) == 200
+    assert torch.equal(applied[sent], raw[sent].to(vdtype).float())
+    assert torch.equal(applied + opt._hs_uplink[0].buffer, raw)
+    vb = torch.empty(0, dtype=vdtype).element_size()
+    assert opt.communication_stats()["bytes_sent"] == 16 + 200 * 4 + 200 * vb
+
+
+def test_cost_model_crossover():
+    n = 1_000_000
+    # 2 ranks at 1%: allgather receives 2 * 10k * 8 B = 160 kB, ring allreduce 4 MB
+    assert not costmodel.prefer_dense(n, n // 100, 2, 4, 4, 4)
+    # 64 ranks at 1%: 5.1 MB < 2 * 63/64 * 4 MB = 7.9 MB; 128 ranks: 10.2 MB > 7.9 MB
+    assert not costmodel.prefer_dense(n, n // 100, 64, 4, 4, 4)
+    assert costmodel.prefer_dense(n, n // 100, 128, 4, 4, 4)
+    # against the dense gather (deterministic path) only density near 1/2 flips it
+    assert not costmodel.prefer_dense(n, n // 3, 8, 4, 4, 4, dense_by="gather")
+    assert costmodel.prefer_dense(n, n // 2, 8, 4, 4, 4, dense_by="gather")
+    assert not costmodel.prefer_dense(n, n, 1, 4, 4, 4)
+
+
+def test_transport_choice():
+    assert isinstance(make_transport("local"), LocalTransport)
+    with pytest.raises(ValueError, match="not one of"):
+        make_transport("carrier-pigeon")
+    pytest.importorskip("mpi4py")
+    assert isinstance(make_transport("mpi"), MPITransport)
+    with pytest.raises(ValueError, match="process_set"):
+        make_transport("mpi", process_set=object())
