@@ -18,13 +18,17 @@ class Residual:
         self.dtype = dtype
         self.buffer: torch.Tensor | None = None
 
+    def ensure(self, like: torch.Tensor) -> torch.Tensor:
+        """The residual buffer, allocated (zeros) or moved to ``like``'s device if needed."""
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=like.device)
+        elif self.buffer.device != like.device:  # restored from a checkpoint on another device
+            self.buffer = self.buffer.to(like.device)
+        return self.buffer
+
     def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
         """Return ``acc = grad + residual``; the returned tensor *is* the residual buffer."""
-        if self.buffer is None:
-            self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=grad.device)
-        elif self.buffer.device != grad.device:  # restored from a checkpoint on another device
-            self.buffer = self.buffer.to(grad.device)
-        self.buffer.add_(grad.to(self.dtype))
+        self.ensure(grad).add_(grad.to(self.dtype))
         return self.buffer
 
     def settle(self, idx: torch.Tensor, sent: torch.Tensor) -> None:

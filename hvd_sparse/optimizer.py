@@ -23,7 +23,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import aggregation, buckets as bucketing, costmodel, wire
+from . import aggregation, buckets as bucketing, costmodel, kernels, wire
+from .compat import Compression
 from .dgc import MomentumCorrection, clip_local, warmup_density
 from .feedback import Residual
 from .sparsifiers import SelectionContext, Sparsifier, make_sparsifier
@@ -215,10 +216,17 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         up_density, _ = self._hs_density()
         residual = self._hs_uplink[b.index]
         velocity = self._hs_velocity.get(b.index)
-        acc = residual.accumulate(velocity.apply(flat) if velocity else flat)
         ctx_sel = self._hs_context(b, "up")
-        idx, values = o.sparsifier.compress(acc, up_density, ctx_sel)
         target = o.sparsifier.target_count(b.numel, up_density, ctx_sel)
+        fused = kernels.fused_select(o.sparsifier, flat, residual.ensure(flat), up_density,
+                                     ctx_sel) if self._hs_fusable(b) else None
+        if fused is not None:
+            # one fused pass did acc, selection and residual update (values go out exactly)
+            idx, values = fused
+            self._hs_send(b, name, idx, values, values, None, sparse_grads, target, residual)
+            return
+        acc = residual.accumulate(velocity.apply(flat) if velocity else flat)
+        idx, values = o.sparsifier.compress(acc, up_density, ctx_sel)
         scaled = values.to(o.value_dtype or b.dtype)
         if o.average and o.predivide != 1.0:
             scaled = scaled * (1.0 / o.predivide)
@@ -229,6 +237,18 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         residual.settle(idx, sent)  # what the wire lost (selection, rounding) stays for later
         if velocity:
             velocity.mask(idx)
+        self._hs_send(b, name, idx, wire_values, sent, ctx, sparse_grads, target, residual)
+
+    def _hs_fusable(self, b) -> bool:
+        """The fused kernels apply when the wire carries the selected values unchanged."""
+        o = self._hs
+        acc_dtype = aggregation.accumulation_dtype(b.dtype)
+        return (acc_dtype == b.dtype and o.compression is Compression.none
+                and (o.value_dtype is None or o.value_dtype == b.dtype)
+                and not (o.average and o.predivide != 1.0) and not self._hs_velocity)
+
+    def _hs_send(self, b, name, idx, wire_values, sent, ctx, sparse_grads, target, residual):
+        o = self._hs
         error = residual.energy() if o.track_error else None
         payload = wire.encode(idx, wire_values, index_dtype=b.index_dtype, tag=b.tag,
                               numel=b.numel, index_coding=o.index_coding,
@@ -515,7 +535,6 @@ def _named_parameters(optimizer, named_parameters):
 
 def _compressor(compression):
     if compression is None:
-        from .compat import Compression
         return Compression.none
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError(f"compression={compression!r} has no compress/decompress; pass one of "

@@ -73,6 +73,8 @@ def payload_nbytes(count: int, index_dtype: torch.dtype, value_dtype: torch.dtyp
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0:  # an empty tensor may carry any stride, which view() rejects
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.contiguous().view(torch.uint8).reshape(-1)
 
 

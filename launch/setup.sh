@@ -48,9 +48,10 @@ if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
   pipi "torch==$TORCH_VERSION"
 fi
 # Python dependencies of hvd_sparse, its tests and Horovod's build.
-if ! "$PY" -c 'import numpy, pytest, tqdm, sklearn, psutil, cloudpickle, yaml, packaging, wheel, setuptools, mpi4py' >/dev/null 2>&1; then
+if ! "$PY" -c 'import numpy, numba, pytest, pytest_timeout, tqdm, sklearn, psutil, cloudpickle, yaml, packaging, wheel, setuptools, mpi4py, matplotlib' >/dev/null 2>&1; then
   log "installing Python dependencies"
-  pipi numpy pytest pytest-timeout tqdm scikit-learn psutil cloudpickle pyyaml packaging wheel "setuptools<81" mpi4py
+  pipi numpy numba pytest pytest-timeout tqdm scikit-learn psutil cloudpickle pyyaml packaging \
+       wheel "setuptools<81" mpi4py matplotlib
 fi
 
 # --- Horovod 0.28.1 from source, cached as a wheel ----------------------------------------
@@ -93,4 +94,6 @@ if ! (cd / && "$PY" -c 'import hvd_sparse, sys; sys.exit(0 if hvd_sparse.__file_
   log "installing hvd_sparse (editable)"
   pipi --no-deps --no-build-isolation -e "$ROOT"
 fi
+# Compile the numba kernels once (cached next to their source) so ranks start warm.
+(cd / && "$PY" -c 'import hvd_sparse.kernels.cpu as k; k.warm_up()') >/dev/null 2>&1 || true
 log "ready: $VENV"
