@@ -67,11 +67,42 @@ def encode(positions: np.ndarray, b: int) -> bytes:
     return np.packbits(bits).tobytes()
 
 
+try:  # the decoder is a sequential bit walk: compiled when numba is there
+    from numba import njit
+
+    @njit(cache=True)
+    def _walk(bits, count, b):
+        out = np.empty(count, dtype=np.int64)
+        pos, prev, n = 0, -1, bits.size
+        for j in range(count):
+            q = 0
+            while pos < n and bits[pos] == 1:
+                q += 1
+                pos += 1
+            if pos + 1 + b > n:
+                return out, j  # ran out of bits
+            pos += 1
+            rem = 0
+            for _ in range(b):
+                rem = (rem << 1) | bits[pos]
+                pos += 1
+            prev = prev + 1 + (q << b) + rem
+            out[j] = prev
+        return out, count
+except ImportError:  # pragma: no cover - depends on the installation
+    _walk = None
+
+
 def decode(data: bytes, count: int, b: int) -> np.ndarray:
     """Inverse of :func:`encode` for ``count`` positions."""
     if count == 0:
         return np.empty(0, dtype=np.int64)
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
+    if _walk is not None:
+        out, done = _walk(bits, count, b)
+        if done != count:
+            raise ValueError("Golomb-Rice stream ends early")
+        return out
     # The terminating zero of codeword j is the first zero at or after its start; after it come
     # b remainder bits. Walk codewords using the list of zero positions (vectorised per word).
     zeros = np.flatnonzero(bits == 0)

@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - depends on the installation
     HAVE_NUMBA = False
 
 BINS = 1 << 16
+BLOCK = 64  # candidates are counted per block so the gather pass can skip empty blocks
 
 
 def available() -> bool:
@@ -50,6 +51,66 @@ if HAVE_NUMBA:
             r[i] = a
             m += np.int64(abs(a) >= t)
         return m
+
+    @njit(fastmath=True, cache=True)
+    def _add_count_blocks_chunk(g, r, t, bc):
+        """r += g, counting |r| >= t per 64-entry block into bc; returns the chunk's total."""
+        total = 0
+        full = g.size // BLOCK
+        for b in range(full):  # fixed-length inner loop: vectorised and unrolled
+            lo = b * BLOCK
+            m = np.int32(0)
+            for j in range(BLOCK):
+                a = g[lo + j] + r[lo + j]
+                r[lo + j] = a
+                m += np.int32(abs(a) >= t)
+            bc[b] = m
+            total += m
+        if full < bc.size:
+            m = np.int32(0)
+            for i in range(full * BLOCK, g.size):
+                a = g[i] + r[i]
+                r[i] = a
+                m += np.int32(abs(a) >= t)
+            bc[full] = m
+            total += m
+        for b in range(full + 1, bc.size):
+            bc[b] = 0
+        return total
+
+    @njit(cache=True)
+    def _gather_blocks_chunk(r, t, bc, base, out_idx, out_val, pos):
+        """Like _gather_chunk, visiting only blocks that hold a candidate."""
+        for b in range(bc.size):
+            if bc[b] == 0:
+                continue
+            lo = b * BLOCK
+            hi = min(r.size, lo + BLOCK)
+            for i in range(lo, hi):
+                v = r[i]
+                if abs(v) >= t:
+                    out_idx[pos] = base + i
+                    out_val[pos] = v
+                    pos += 1
+
+    @njit(parallel=True, cache=True)
+    def _add_count_blocks(g, r, t, counts, bc, chunk):
+        n = g.size
+        per = chunk // BLOCK
+        for c in prange(counts.size):
+            lo = c * chunk
+            hi = min(n, lo + chunk)
+            counts[c] = _add_count_blocks_chunk(g[lo:hi], r[lo:hi], t, bc[c * per:(c + 1) * per])
+
+    @njit(parallel=True, cache=True)
+    def _gather_blocks(r, t, bc, offsets, chunk, out_idx, out_val):
+        n = r.size
+        per = chunk // BLOCK
+        for c in prange(offsets.size):
+            lo = c * chunk
+            hi = min(n, lo + chunk)
+            _gather_blocks_chunk(r[lo:hi], t, bc[c * per:(c + 1) * per], lo, out_idx, out_val,
+                                 offsets[c])
 
     @njit(fastmath=True, cache=True)
     def _count_chunk(r, t):
@@ -127,9 +188,26 @@ def _threads():
 
 
 def _chunks(n: int):
+    """Chunk count and length (a multiple of BLOCK) for ``n`` entries."""
     threads = _threads()
     nchunks = 1 if threads == 1 else max(1, min(threads * 4, (n + 65535) // 65536))
-    return nchunks, (n + nchunks - 1) // nchunks
+    chunk = -(-n // nchunks)
+    chunk = -(-chunk // BLOCK) * BLOCK
+    return -(-n // chunk), chunk
+
+
+def _add_count_blocks_any(g, r, t, counts, bc, chunk):
+    if counts.size == 1:
+        counts[0] = _add_count_blocks_chunk(g, r, t, bc)
+    else:
+        _add_count_blocks(g, r, t, counts, bc, chunk)
+
+
+def _gather_blocks_any(r, t, bc, offsets, chunk, out_idx, out_val):
+    if offsets.size == 1:
+        _gather_blocks_chunk(r, t, bc, 0, out_idx, out_val, 0)
+    else:
+        _gather_blocks(r, t, bc, offsets, chunk, out_idx, out_val)
 
 
 # With one chunk the loops run on the calling thread, never entering numba's thread pool,
@@ -186,12 +264,17 @@ def _sample_threshold(g, r, k):
     return np.partition(mag, sel.size - rank)[sel.size - rank]
 
 
-def _collect(r, t, counts, chunk):
+def _collect(r, t, counts, chunk, bc=None):
+    """Copy the entries with |r| >= t (``counts`` per chunk) in index order; ``bc`` (per-block
+    counts from the fused pass) lets the copy skip blocks without a candidate."""
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     m = int(counts.sum())
     cidx = np.empty(m, dtype=np.int64)
     cval = np.empty(m, dtype=np.float32)
-    _gather_any(r, t, offsets, chunk, cidx, cval)
+    if bc is None:
+        _gather_any(r, t, offsets, chunk, cidx, cval)
+    else:
+        _gather_blocks_any(r, t, bc, offsets, chunk, cidx, cval)
     return cidx, cval
 
 
@@ -218,14 +301,17 @@ def fused_topk(grad: torch.Tensor, residual: torch.Tensor, k: int):
     nchunks, chunk = _chunks(n)
     counts = np.empty(nchunks, dtype=np.int64)
     t = _sample_threshold(g, r, k)
+    bc = None
     if t is not None:
-        _add_count_any(g, r, np.float32(t), counts, chunk)
+        bc = np.empty(nchunks * (chunk // BLOCK), dtype=np.int32)
+        _add_count_blocks_any(g, r, np.float32(t), counts, bc, chunk)
     else:
         r += g
     if t is None or counts.sum() < k:  # no sample, or it aimed too high: exact radix bin
         t = _bin_floor(r, rbits, k, chunk, nchunks)
         _count_any(r, t, counts, chunk)
-    cidx, cval = _collect(r, np.float32(t), counts, chunk)
+        bc = None
+    cidx, cval = _collect(r, np.float32(t), counts, chunk, bc)
     # exact rank among the candidates: larger magnitude first, then lower index
     mag = np.abs(cval)
     kth = np.partition(mag, mag.size - k)[mag.size - k]
@@ -265,3 +351,5 @@ def warm_up() -> None:
             fused_threshold(g, torch.zeros_like(g), 1.0)
         finally:
             torch.set_num_threads(old)
+    from .. import golomb
+    golomb.decode(golomb.encode(np.array([1, 5, 90]), 3), 3, 3)

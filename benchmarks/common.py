@@ -1,0 +1,51 @@
+"""Shared helpers for the benchmarks: timing, machine description, JSON and plots."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def timeit(fn, repeat=5, warmup=1, sync=None) -> float:
+    """Median seconds of ``fn()`` over ``repeat`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if sync:
+            sync()
+        t = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    return path
