@@ -47,8 +47,13 @@ def main():
     p.add_argument("--models", nargs="+", default=["resnet", "mlp11m"])
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of other models from the existing network.json")
     args = p.parse_args()
     rows = []
+    if args.merge and (RESULTS / "network.json").exists():
+        old = json.loads((RESULTS / "network.json").read_text())["rows"]
+        rows = [r for r in old if r["model"] not in args.models]
     for model in args.models:
         floor = run([PY, "-m", "hvd_sparse.train", "--optimizer", "local", "--model", model,
                      "--benchmark-steps", str(args.steps)], 600)

@@ -36,13 +36,18 @@ class Bucket:
     offsets: List[int] = field(default_factory=list)
     tag: int = 0
     index_dtype: torch.dtype = torch.int32
+    #: (lo, hi) of each parameter's flattened entries held here; the whole tensor unless a
+    #: parameter larger than ``max_bucket_numel`` was split across buckets
+    slices: List[Tuple[int, int]] = None
 
     def __post_init__(self):
+        if self.slices is None:
+            self.slices = [(0, p.numel()) for p in self.params]
         off = 0
         self.offsets = []
-        for p in self.params:
+        for lo, hi in self.slices:
             self.offsets.append(off)
-            off += p.numel()
+            off += hi - lo
         self.numel = off
         self.tag = wire.fingerprint(self.name, self.numel)
         self.index_dtype = wire.index_dtype_for(self.numel)
@@ -68,12 +73,31 @@ def _bucket_name(names: Sequence[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]}+{len(names) - 1}more"
 
 
+def _split(chunk, max_numel):
+    """Cut a chunk of (name, param) into pieces of at most ``max_numel`` entries; a parameter
+    may be cut, its pieces named ``name[lo:hi]``. Yields lists of (name, param, lo, hi)."""
+    piece, room = [], max_numel
+    for n, p in chunk:
+        lo, total = 0, p.numel()
+        while lo < total:
+            take = min(room, total - lo)
+            piece.append((n, p, lo, lo + take))
+            lo += take
+            room -= take
+            if room == 0:
+                yield piece
+                piece, room = [], max_numel
+    if piece:
+        yield piece
+
+
 def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str = "tensor",
-                 bucket_cap_mb: float = 25.0, groups=None,
-                 min_sparse_numel: int = 1024) -> List[Bucket]:
+                 bucket_cap_mb: float = 25.0, groups=None, min_sparse_numel: int = 1024,
+                 max_bucket_numel: Optional[int] = None) -> List[Bucket]:
     """Group ``(name, parameter)`` pairs (in optimizer order) into buckets.
 
-    Buckets whose total size is below ``min_sparse_numel`` entries are sent dense.
+    Buckets whose total size is below ``min_sparse_numel`` entries are sent dense; buckets above
+    ``max_bucket_numel`` entries are split (a large parameter across several buckets).
     """
     if scope not in SCOPES:
         raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
@@ -119,11 +143,20 @@ def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str
         if len(dtypes) > 1:
             raise ValueError(f"a group mixes dtypes {sorted(map(str, dtypes))}: "
                              f"{[n for n, _ in chunk]}; put parameters of one dtype in a group")
-        names = [n for n, _ in chunk]
         numel = sum(p.numel() for _, p in chunk)
-        buckets.append(Bucket(index=len(buckets), name=_bucket_name(names),
-                              params=[p for _, p in chunk], names=names,
-                              dtype=chunk[0][1].dtype, sparse=numel >= min_sparse_numel))
+        if max_bucket_numel and numel > max_bucket_numel:
+            pieces = list(_split(chunk, max_bucket_numel))
+        else:
+            pieces = [[(n, p, 0, p.numel()) for n, p in chunk]]
+        for piece in pieces:
+            names = [n for n, *_ in piece]
+            label = [n if (lo, hi) == (0, p.numel()) else f"{n}[{lo}:{hi}]"
+                     for n, p, lo, hi in piece]
+            size = sum(hi - lo for *_, lo, hi in piece)
+            buckets.append(Bucket(index=len(buckets), name=_bucket_name(label),
+                                  params=[p for _, p, *_ in piece], names=names,
+                                  dtype=piece[0][1].dtype, sparse=size >= min_sparse_numel,
+                                  slices=[(lo, hi) for *_, lo, hi in piece]))
     seen = {}
     for b in buckets:
         if b.name in seen:

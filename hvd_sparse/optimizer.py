@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import aggregation, buckets as bucketing, costmodel, kernels, wire
+from . import aggregation, buckets as bucketing, costmodel, kernels, safety, wire
 from .compat import Compression
 from .dgc import MomentumCorrection, clip_local, warmup_density
 from .feedback import Residual
@@ -78,9 +78,12 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         # Backward produces gradients last layer first: launching in that order lets an
         # order-matched transport start early buckets while backward is still running.
         self._hs_launch_order = list(reversed(buckets))
-        self._hs_bucket_of = {p: b for b in buckets for p in b.params}
-        self._requires_update = set(self._hs_bucket_of)
-        self._allreduce_delay = {p: self.backward_passes_per_step for p in self._hs_bucket_of}
+        self._hs_buckets_of = {}  # a parameter split across buckets belongs to several
+        for b in buckets:
+            for p in b.params:
+                self._hs_buckets_of.setdefault(p, []).append(b)
+        self._requires_update = set(self._hs_buckets_of)
+        self._allreduce_delay = {p: self.backward_passes_per_step for p in self._hs_buckets_of}
         self._hs_ready = {b.index: 0 for b in buckets}
         self._hs_inflight = {}
         self._hs_touched = False
@@ -96,9 +99,13 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_local_count = 0
         self._hs_stats = CommunicationStats()
         self._hs_steps = 0
+        self._hs_config_checked = not options.check_config
+        self._hs_skip_step = False
+        self._hs_snapshots = {}  # nonfinite="skip": residuals before this step, to roll back
+        self._hs_local_nonfinite = []  # this rank's parameters that held NaN/Inf this step
         self._hs_hook_handles = []
         if transport.included():
-            for p in self._hs_bucket_of:
+            for p in self._hs_buckets_of:
                 self._hs_hook_handles.append(
                     p.register_post_accumulate_grad_hook(self._hs_make_hook(p)))
 
@@ -113,9 +120,11 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self._hs_touched = True
             self._allreduce_delay[p] -= 1
             if self._allreduce_delay[p] == 0 and self._hs.local_steps == 1:
-                b = self._hs_bucket_of[p]
-                self._hs_ready[b.index] += 1
-                if self._hs_ready[b.index] == len(b.params):
+                complete = False
+                for b in self._hs_buckets_of[p]:
+                    self._hs_ready[b.index] += 1
+                    complete |= self._hs_ready[b.index] == len(b.params)
+                if complete:
                     self._hs_launch_ready()
         return hook
 
@@ -139,7 +148,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     def _hs_flat_grad(self, b):
         """Flatten the bucket's gradients (zeros where a parameter has none, as Horovod does)."""
         flats, sparse_grads = [], []
-        for p, name in zip(b.params, b.names):
+        for p, name, (lo, hi) in zip(b.params, b.names, b.slices):
             if p.grad is None:
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
             g = p.grad
@@ -151,7 +160,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 # sparse (Horovod's sparse_as_dense), since selection needs the dense values.
                 sparse_grads.append(p)
                 g = g.to_dense()
-            flats.append(g.reshape(-1))
+            flats.append(g.reshape(-1)[lo:hi])
         flat = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
         return flat, sparse_grads
 
@@ -187,8 +196,28 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 return mode
         return None
 
+    def _hs_describe(self) -> dict:
+        """What must be the same on every rank (compared before the first exchange)."""
+        o = self._hs
+        return {
+            "world_size": self._hs_transport.size(),
+            "buckets": [{"name": b.name, "numel": b.numel, "dtype": str(b.dtype),
+                         "sparse": b.sparse, "params": [
+                             [n, list(p.shape), str(p.dtype), list(sl)]
+                             for n, p, sl in zip(b.names, b.params, b.slices)]}
+                        for b in self._hs_buckets],
+            "options": {k: (repr(v) if not isinstance(v, (int, float, str, bool, type(None)))
+                            else v)
+                        for k, v in sorted(o.__dict__.items())
+                        if k not in ("compression",)},
+            "compression": getattr(o.compression, "__name__", type(o.compression).__name__),
+        }
+
     def _hs_launch(self, b, flat, sparse_grads):
         o = self._hs
+        if not self._hs_config_checked:
+            self._hs_config_checked = True
+            safety.check_same_config(self._hs_transport, self._hs_describe())
         name = f"hvd_sparse.{b.index}.{b.name}"
         if o.local_clip_norm is not None:
             flat = clip_local(flat, o.local_clip_norm, self._hs_transport.size())
@@ -217,6 +246,17 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         residual = self._hs_uplink[b.index]
         velocity = self._hs_velocity.get(b.index)
         ctx_sel = self._hs_context(b, "up")
+        if o.nonfinite != "ignore" and not bool(torch.isfinite(flat).all()):
+            # keep NaN/Inf out of the residual; tell every rank through the payload's flag
+            self._hs_local_nonfinite += [n for n, p in zip(b.names, b.params)
+                                         if not bool(torch.isfinite(p.grad).all())]
+            empty, ctx = o.compression.compress(flat[:0].to(o.value_dtype or b.dtype))
+            self._hs_send(b, name, torch.empty(0, dtype=torch.int64, device=flat.device), empty,
+                          None, ctx, sparse_grads, 0, residual, nonfinite=True)
+            return
+        if o.nonfinite == "skip":
+            self._hs_snapshots[b.index] = (residual.state(),
+                                           velocity.state() if velocity else None)
         target = o.sparsifier.target_count(b.numel, up_density, ctx_sel)
         fused = kernels.fused_select(o.sparsifier, flat, residual.ensure(flat), up_density,
                                      ctx_sel) if self._hs_fusable(b) else None
@@ -247,36 +287,54 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 and (o.value_dtype is None or o.value_dtype == b.dtype)
                 and not (o.average and o.predivide != 1.0) and not self._hs_velocity)
 
-    def _hs_send(self, b, name, idx, wire_values, sent, ctx, sparse_grads, target, residual):
+    def _hs_send(self, b, name, idx, wire_values, sent, ctx, sparse_grads, target, residual,
+                 nonfinite=False):
         o = self._hs
-        error = residual.energy() if o.track_error else None
+        error = residual.energy() if o.track_error and residual.buffer is not None else None
         payload = wire.encode(idx, wire_values, index_dtype=b.index_dtype, tag=b.tag,
                               numel=b.numel, index_coding=o.index_coding,
-                              constant=o.sparsifier.constant_value)
+                              constant=o.sparsifier.constant_value, nonfinite=nonfinite)
         handle = self._hs_transport.allgather_async(payload, name)
         self._hs_inflight[b.index] = _InFlight("sparse", handle, ctx, payload.numel(),
                                                sparse_grads, idx.numel(), target, error)
 
-    def _hs_finish(self, b):
-        """Wait for a bucket's exchange; return the flat update every rank applies."""
+    def _hs_receive(self, b):
+        """Wait for a bucket's exchange and decode it; returns (dense result or payloads, bad
+        ranks). Nothing is aggregated yet, so a non-finite flag can still cancel the step."""
+        o = self._hs
+        job = self._hs_inflight[b.index]
+        size = self._hs_transport.size()
+        received = self._hs_transport.wait(job.handle)
+        if job.kind == "sparse":
+            payloads = wire.decode_all(received, size, tag=b.tag, numel=b.numel, bucket=b.name)
+            bad = [r for r, p in enumerate(payloads) if p.nonfinite]
+            return (payloads, received.numel()), bad
+        acc_dtype = aggregation.accumulation_dtype(b.dtype)
+        if job.kind == "dense_gather":
+            parts = received.view(size, -1)
+            out = torch.zeros(b.numel, dtype=acc_dtype, device=parts.device)
+            for r in range(size):  # rank order, never a reduction tree
+                out.add_(o.compression.decompress(parts[r], job.ctx).to(acc_dtype))
+            if o.average and size != 1:
+                out.mul_(1.0 / size)
+            received_bytes = (size - 1) * job.nbytes
+            bad = [r for r in range(size) if not bool(torch.isfinite(parts[r].float()).all())] \
+                if o.nonfinite != "ignore" else []
+        else:
+            out = o.compression.decompress(received, job.ctx)
+            received_bytes = job.nbytes
+            bad = ([-1] if not bool(torch.isfinite(out).all()) else []) \
+                if o.nonfinite != "ignore" else []
+        return (out, received_bytes), bad
+
+    def _hs_apply(self, b, received):
+        """Aggregate a received bucket, run the downlink step; return the flat update."""
         o = self._hs
         job = self._hs_inflight[b.index]
         size = self._hs_transport.size()
         acc_dtype = aggregation.accumulation_dtype(b.dtype)
         if job.kind != "sparse":
-            received = self._hs_transport.wait(job.handle)
-            if job.kind == "dense_gather":
-                parts = received.view(size, -1)
-                out = torch.zeros(b.numel, dtype=acc_dtype, device=parts.device)
-                for r in range(size):  # rank order, never a reduction tree
-                    out.add_(o.compression.decompress(parts[r], job.ctx).to(acc_dtype))
-                scale = (1.0 / size) if o.average else 1.0
-                if scale != 1.0:
-                    out.mul_(scale)
-                received_bytes = (size - 1) * job.nbytes
-            else:
-                out = o.compression.decompress(received, job.ctx)
-                received_bytes = job.nbytes
+            out, received_bytes = received
             if b.sparse and self._hs.bidirectional:  # dense warm-start: flush the downlink too
                 residual = self._hs_downlink[b.index]
                 out = residual.accumulate(out.to(acc_dtype)).clone()
@@ -285,8 +343,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                                   dense=b.nbytes, selected=b.numel, numel=b.numel,
                                   target=b.numel)
             return out
-        gathered = self._hs_transport.wait(job.handle)
-        payloads = wire.decode_all(gathered, size, tag=b.tag, numel=b.numel, bucket=b.name)
+        payloads, gathered_bytes = received
         for p in payloads:
             p.values = o.compression.decompress(p.values, job.ctx)
         device = b.params[0].device
@@ -299,27 +356,65 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         o.downlink_sparsifier.observe(dense, ctx_down)
         if o.bidirectional:
             residual = self._hs_downlink[b.index]
-            agg = residual.accumulate(dense)
-            idx, values = o.downlink_sparsifier.compress(agg, self._hs_density()[1], ctx_down)
-            residual.settle(idx, values)
+            down_density = self._hs_density()[1]
+            # the downlink sends values unchanged, so the fused kernels apply whenever the
+            # method has a fused form (same result as accumulate + compress + settle)
+            fused = kernels.fused_select(o.downlink_sparsifier, dense, residual.ensure(dense),
+                                         down_density, ctx_down)
+            if fused is not None:
+                idx, values = fused
+            else:
+                agg = residual.accumulate(dense)
+                idx, values = o.downlink_sparsifier.compress(agg, down_density, ctx_down)
+                residual.settle(idx, values)
             out = torch.zeros(b.numel, dtype=acc_dtype, device=device)
             out[idx] = values
             down_selected = idx.numel()
         else:
             out, down_selected = dense, None
-        self._hs_stats.record(b.name, sent=job.nbytes, received=gathered.numel() - job.nbytes,
+        self._hs_stats.record(b.name, sent=job.nbytes, received=gathered_bytes - job.nbytes,
                               dense=b.nbytes, selected=job.selected, numel=b.numel,
                               target=job.target, error=job.error,
                               downlink_selected=down_selected)
         return out
 
+    def _hs_nonfinite(self, bad: dict) -> None:
+        """Some rank's gradient held NaN/Inf: raise, or skip the step, the same on every rank."""
+        where = "; ".join(f"bucket '{name}' on rank(s) {ranks}" if ranks != [-1]
+                          else f"bucket '{name}' (after the allreduce)"
+                          for name, ranks in bad.items())
+        mine = f" (this rank: {', '.join(self._hs_local_nonfinite)})" \
+            if self._hs_local_nonfinite else ""
+        if self._hs.nonfinite == "raise":
+            raise safety.NonFiniteGradientError(
+                f"non-finite gradient at step {self._hs_steps}: {where}{mine}. Nothing of it "
+                "entered the residuals on the rank that saw it. Pass nonfinite='skip' to skip "
+                "such steps on all ranks instead (as a loss scaler does).")
+        # skip: roll the residuals back to before this step, on every rank, and drop the grads
+        for index, (res, vel) in self._hs_snapshots.items():
+            self._hs_uplink[index].load(res)
+            if vel is not None or index in self._hs_velocity:
+                self._hs_velocity[index].load(vel)
+        for b in self._hs_buckets:
+            for p in b.params:
+                if p.grad is not None:
+                    p.grad = torch.zeros_like(p) if p.grad.is_sparse else p.grad.zero_()
+        self._hs_skip_step = True
+        self._hs_stats.skipped = getattr(self._hs_stats, "skipped", 0) + 1
+        warnings.warn(f"skipping step {self._hs_steps} on every rank: non-finite gradient in "
+                      f"{where}{mine}")
+
     def _hs_write_grads(self, b, out, sparse_grads):
-        for p, off in zip(b.params, b.offsets):
-            seg = out[off:off + p.numel()].view(p.shape).to(p.dtype)
-            if p in sparse_grads:
-                p.grad = seg.to_sparse()
+        for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+            seg = out[off:off + hi - lo].to(p.dtype)
+            if p in sparse_grads:  # handed back sparse, as Horovod's sparse_as_dense does
+                dense = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                dense.reshape(-1)[lo:hi] = seg
+                p.grad = dense.to_sparse()
             else:
-                p.grad.copy_(seg)
+                if not p.grad.is_contiguous():
+                    p.grad = p.grad.contiguous()
+                p.grad.view(-1)[lo:hi].copy_(seg)
 
     def _hs_exchange_all(self, write):
         """Launch what is not in flight, finish every bucket in order, hand each result on."""
@@ -327,12 +422,32 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             if b.index not in self._hs_inflight:
                 self._hs_launch(b, *self._hs_flat_grad(b))
         try:
+            received, bad = {}, {}
             for b in self._hs_buckets:
-                write(b, self._hs_finish(b), self._hs_inflight[b.index].sparse_grads)
+                received[b.index], bad_ranks = self._hs_receive(b)
+                if bad_ranks:
+                    bad[b.name] = bad_ranks
+            if bad:
+                self._hs_nonfinite(bad)
+            else:
+                for b in self._hs_buckets:
+                    write(b, self._hs_apply(b, received[b.index]),
+                          self._hs_inflight[b.index].sparse_grads)
         finally:
             self._hs_reset_round()
+            self._hs_snapshots.clear()
+            self._hs_local_nonfinite = []
         self._hs_stats.end_step()
         self._hs_steps += 1
+        every = self._hs.verify_every
+        if every and self._hs_steps % every == 0:
+            named = list({n: p for b in self._hs_buckets
+                          for n, p in zip(b.names, b.params)}.items())
+            named += [(f"downlink residual of bucket '{b.name}'", r.buffer)
+                      for b in self._hs_buckets
+                      for r in [self._hs_downlink.get(b.index)] if r is not None
+                      and r.buffer is not None]
+            safety.verify_replicas(self._hs_transport, named, self._hs_steps)
 
     # ----------------------------------------------------------------- Horovod's API
     def synchronize(self):
@@ -375,10 +490,14 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
+        if self._hs_skip_step:  # a non-finite gradient somewhere: no update on any rank
+            self._hs_skip_step = False
+            return None
         return self._hs_base.step(self, closure)
 
     def _hs_flat_params(self, b):
-        return torch.cat([p.detach().reshape(-1) for p in b.params]).to(
+        return torch.cat([p.detach().reshape(-1)[lo:hi] for p, (lo, hi) in
+                          zip(b.params, b.slices)]).to(
             aggregation.accumulation_dtype(b.dtype))
 
     def _hs_local_step(self, closure):
@@ -403,8 +522,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         new = self._hs_anchor[b.index] + out.to(self._hs_anchor[b.index].dtype)
         self._hs_anchor[b.index] = new
         with torch.no_grad():
-            for p, off in zip(b.params, b.offsets):
-                p.copy_(new[off:off + p.numel()].view(p.shape))
+            for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+                p.view(-1)[lo:hi].copy_(new[off:off + hi - lo])
 
     def zero_grad(self, *args, **kwargs):
         if self._hs_touched or self._hs_inflight:
@@ -466,33 +585,44 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         }
 
     def _hs_load(self, extra: dict) -> None:
+        """Restore hvd_sparse's state. The rule for a state saved elsewhere:
+
+        * saved by this rank in a job of the same size: everything is restored exactly;
+        * saved by another rank, or by a job of another size (a rank-0 checkpoint loaded on all
+          ranks, ``broadcast_optimizer_state``, ``hvd.elastic`` sync after workers came or went):
+          the replicated parts (downlink residuals, counters, sparsifier state) are restored and
+          this rank keeps its *own* uplink residuals as they are in memory (zeros in a fresh
+          process). The uplink residual of a rank that is gone (a departed elastic worker) is
+          lost: its unsent gradient mass is dropped, a bounded loss of small entries.
+        """
         t = self._hs_transport
         if extra.get("format") != STATE_FORMAT:
             raise ValueError(f"hvd_sparse state has format {extra.get('format')}, "
                              f"this version reads {STATE_FORMAT}")
-        if extra["world_size"] != t.size():
-            raise ValueError(
-                f"this checkpoint's hvd_sparse state was written by {extra['world_size']} ranks "
-                f"and this job has {t.size()}: the per-rank uplink residuals cannot be mapped "
-                "onto a different number of ranks. Resume with the same number of ranks, or "
-                "drop the 'hvd_sparse' entry of the state dict to restart error feedback from zero.")
         saved = extra["buckets"]
         mine = {b.name: b for b in self._hs_buckets if b.sparse}
         if set(saved) != set(mine):
             raise ValueError("the checkpoint's sparse buckets differ from this optimizer's: "
                              f"missing {sorted(set(mine) - set(saved))}, "
                              f"unexpected {sorted(set(saved) - set(mine))}")
-        same_rank = extra["rank"] == t.rank()
-        if not same_rank:
+        for name, b in mine.items():
+            if saved[name]["numel"] != b.numel:
+                raise ValueError(f"bucket '{name}' has {saved[name]['numel']} entries in the "
+                                 f"checkpoint and {b.numel} here")
+        own = extra["rank"] == t.rank() and extra["world_size"] == t.size()
+        fresh = all(self._hs_uplink[b.index].buffer is None for b in mine.values())
+        if not own and fresh and any(v["uplink"] is not None for v in saved.values()):
             warnings.warn(
-                f"loading hvd_sparse state saved by rank {extra['rank']} on rank {t.rank()}: the "
-                "replicated downlink residuals and counters are restored, this rank's uplink "
-                "residuals restart from zero (save and load one state dict per rank to keep them)")
+                f"hvd_sparse state from rank {extra['rank']} of {extra['world_size']} loaded on "
+                f"rank {t.rank()} of {t.size()}: downlink residuals and counters restored; this "
+                "rank's uplink residuals start from zero (save one state dict per rank to keep "
+                "them)")
         for name, b in mine.items():
             self._hs_downlink[b.index].load(saved[name]["downlink"])
-            self._hs_uplink[b.index].load(saved[name]["uplink"] if same_rank else None)
-            if self._hs_velocity:
-                self._hs_velocity[b.index].load(saved[name].get("velocity") if same_rank else None)
+            if own:
+                self._hs_uplink[b.index].load(saved[name]["uplink"])
+                if self._hs_velocity:
+                    self._hs_velocity[b.index].load(saved[name].get("velocity"))
         anchors = extra.get("anchors", {})
         self._hs_anchor = {b.index: anchors[b.name].clone() for b in self._hs_buckets
                            if b.name in anchors}
@@ -551,7 +681,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          momentum_correction=0.0, local_clip_norm=None, density_warmup_steps=0,
                          dense_warmup_steps=0, local_steps=1, track_error=True,
                          deterministic_dense=True, dense_fallback=True, value_dtype=None,
+                         nonfinite="raise", verify_every=0, check_config=True,
                          scope="tensor", bucket_cap_mb=25.0, min_sparse_numel=1024,
+                         max_bucket_numel=None,
                          transport=None, **unknown):
     """Wrap ``optimizer`` so gradients are exchanged sparsely (drop-in for Horovod's).
 
@@ -565,7 +697,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     the aggregate on every rank, with a replicated residual), ``downlink_density`` (``None``: same
     as ``density``), ``sparsifier`` (name or :class:`hvd_sparse.Sparsifier`), ``scope``
     (``"tensor"``, ``"model"`` or ``"bucket"`` with ``bucket_cap_mb``), ``min_sparse_numel``
-    (smaller buckets are allreduced dense), ``transport`` (a :class:`hvd_sparse.transport.Transport`;
+    (smaller buckets are allreduced dense), ``max_bucket_numel`` (larger buckets, and
+    parameters, are split into several), ``transport`` (a :class:`hvd_sparse.transport.Transport`;
     default Horovod's collectives).
 
     Method keywords: ``threshold`` (for ``"threshold"``), ``total_steps``, ``min_density``,
@@ -584,6 +717,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     when the cost model (:mod:`hvd_sparse.costmodel`) says the allgather would move more bytes.
     ``value_dtype`` (``torch.float16``/``bfloat16``/``float32``) sets the value type on the wire;
     the rounding error stays in the residual.
+
+    Safety: ``nonfinite`` (``"raise"``, default, or ``"skip"`` the step on every rank, or
+    ``"ignore"``) for NaN/Inf gradients, which never enter a residual; ``verify_every=N``
+    checks every N steps that parameters and downlink residuals are bitwise equal on all ranks;
+    ``check_config`` (default) compares models and options across ranks before the first
+    exchange (:mod:`hvd_sparse.safety`).
     """
     if unknown:
         raise TypeError("hvd_sparse.DistributedOptimizer got unexpected keyword argument(s): "
@@ -663,6 +802,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     if value_dtype is not None and value_dtype not in (torch.float16, torch.bfloat16,
                                                        torch.float32, torch.float64):
         raise ValueError(f"value_dtype must be a floating torch dtype, got {value_dtype!r}")
+    if nonfinite not in ("raise", "skip", "ignore"):
+        raise ValueError(f"nonfinite must be 'raise', 'skip' or 'ignore', got {nonfinite!r}")
+    if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
+        raise ValueError(f"verify_every must be a non-negative int, got {verify_every!r}")
     if local_steps > 1 and backward_passes_per_step != 1:
         raise ValueError("local_steps > 1 (communication delay) and backward_passes_per_step > 1 "
                          "cannot be combined")
@@ -682,8 +825,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                 raise TypeError(f"parameter '{name_of[id(p)]}' has dtype {p.dtype}; hvd_sparse "
                                 "sparsifies floating-point gradients only")
             trainable.append((name_of[id(p)], p))
+    if max_bucket_numel is not None and (isinstance(max_bucket_numel, bool) or
+                                         not isinstance(max_bucket_numel, int) or
+                                         max_bucket_numel <= 0):
+        raise ValueError(f"max_bucket_numel must be a positive int, got {max_bucket_numel!r}")
     plan = bucketing.plan_buckets(trainable, scope=scope, bucket_cap_mb=bucket_cap_mb,
-                                  groups=groups, min_sparse_numel=min_sparse_numel)
+                                  groups=groups, min_sparse_numel=min_sparse_numel,
+                                  max_bucket_numel=max_bucket_numel)
     transport = make_transport(transport, process_set)
 
     base = type(optimizer)
@@ -703,7 +851,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                        density_warmup_steps=density_warmup_steps,
                        dense_warmup_steps=dense_warmup_steps, local_steps=local_steps,
                        track_error=bool(track_error), deterministic_dense=bool(deterministic_dense),
-                       dense_fallback=bool(dense_fallback), value_dtype=value_dtype)
+                       dense_fallback=bool(dense_fallback), value_dtype=value_dtype,
+                       nonfinite=nonfinite, verify_every=verify_every,
+                       check_config=bool(check_config))
     wrapped._hs_init(named, transport, options, plan)
     return wrapped
 

@@ -33,6 +33,7 @@ HEADER_BYTES = HEADER.size  # 16
 GOLOMB_EXT = struct.Struct("<IBxxx")  # stream bytes, Rice parameter
 INT32_LIMIT = 2**31 - 1
 CONSTANT = 0x80
+NONFINITE = 0x40  # the sender's gradient held NaN/Inf; the payload carries no entries
 
 _INDEX_DTYPES = {0: torch.int32, 1: torch.int64}
 GOLOMB = 2
@@ -85,7 +86,8 @@ def _bytes_tensor(data: bytes, device) -> torch.Tensor:
 
 
 def encode(indices: torch.Tensor, values: torch.Tensor, *, index_dtype: torch.dtype, tag: int,
-           numel: int = 0, index_coding: str = "plain", constant: bool = False) -> torch.Tensor:
+           numel: int = 0, index_coding: str = "plain", constant: bool = False,
+           nonfinite: bool = False) -> torch.Tensor:
     """Pack (indices, values) into one uint8 tensor on the values' device.
 
     ``constant``: every value equals ``values[0]``, which is sent once. ``index_coding="golomb"``
@@ -99,7 +101,8 @@ def encode(indices: torch.Tensor, values: torch.Tensor, *, index_dtype: torch.dt
         raise TypeError(f"values of dtype {values.dtype} cannot be put on the wire")
     count = indices.numel()
     device = values.device
-    vcode = _VALUE_CODE[values.dtype] | (CONSTANT if constant else 0)
+    vcode = _VALUE_CODE[values.dtype] | (CONSTANT if constant else 0) | \
+        (NONFINITE if nonfinite else 0)
     if index_coding == "golomb":
         b = golomb.optimal_parameter(count / numel if numel else 0.0)
         stream = golomb.encode(indices.cpu().numpy(), b)
@@ -126,6 +129,7 @@ class Payload:
     indices: torch.Tensor  # int64, ascending within a payload
     values: torch.Tensor   # one per index (a constant payload is expanded)
     nbytes: int
+    nonfinite: bool = False  # the sender saw NaN/Inf and sent nothing
 
 
 def decode_one(buf: torch.Tensor, offset: int, host: np.ndarray):
@@ -138,7 +142,8 @@ def decode_one(buf: torch.Tensor, offset: int, host: np.ndarray):
         raise PayloadError("buffer ends inside a payload header")
     magic, version, icode, vcode, tag, count = HEADER.unpack(raw)
     constant = bool(vcode & CONSTANT)
-    vcode &= ~CONSTANT
+    nonfinite = bool(vcode & NONFINITE)
+    vcode &= ~(CONSTANT | NONFINITE)
     if magic != MAGIC or version != VERSION or vcode not in _VALUE_DTYPES \
             or icode not in (0, 1, GOLOMB) or count < 0:
         raise PayloadError(f"not an hvd_sparse payload at byte {offset} "
@@ -170,7 +175,7 @@ def decode_one(buf: torch.Tensor, offset: int, host: np.ndarray):
     if constant:
         values = values.expand(count) if count else values[:0]
     end = pos + vb + _pad8(vb)
-    return Payload(indices, values, end - offset), tag, end
+    return Payload(indices, values, end - offset, nonfinite), tag, end
 
 
 def decode_all(buf: torch.Tensor, ranks: int, *, tag: int, numel: int, bucket: str) -> list:

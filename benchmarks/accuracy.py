@@ -1,0 +1,91 @@
+"""Time and bytes to accuracy: dense Horovod vs hvd_sparse, same epochs and seeds, one run.
+
+    .venv/bin/python benchmarks/accuracy.py [--rate 1gbit] [--epochs 2] [--lstm-epochs 3]
+
+Fashion-MNIST with the ResNet-style CNN at 1% and 0.1% density against dense, and the
+Shakespeare character LSTM at 1% against dense, all on 2 ranks behind ``launch/slownet.sh RATE``.
+Per-epoch records go to benchmarks/results/accuracy.json; accuracy.png plots the metric against
+wall-clock time and against bytes sent.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+from common import RESULTS, machine, save
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(ROOT / ".venv" / "bin" / "python")
+
+
+def runs(args):
+    fm = ["--dataset", "fashion-mnist", "--model", "resnet", "--epochs", str(args.epochs)]
+    sh = ["--dataset", "shakespeare", "--model", "lstm", "--epochs", str(args.lstm_epochs),
+          "--steps-per-epoch", str(args.lstm_steps)]
+    return {
+        "fashion/dense": fm + ["--optimizer", "dense"],
+        "fashion/topk-1%": fm + ["--density", "0.01"],
+        "fashion/topk-0.1%": fm + ["--density", "0.001"],
+        "shakespeare/dense": sh + ["--optimizer", "dense"],
+        "shakespeare/topk-1%": sh + ["--density", "0.01"],
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lstm-epochs", type=int, default=3)
+    p.add_argument("--lstm-steps", type=int, default=300)
+    p.add_argument("--only", nargs="*", default=None)
+    args = p.parse_args()
+    results = {}
+    for name, extra in runs(args).items():
+        if args.only and name not in args.only:
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
+            cmd = [str(ROOT / "launch" / "slownet.sh"), args.rate, str(args.ranks), "--", PY, "-m",
+                   "hvd_sparse.train", "--no-progress", "--metrics", f.name, *extra]
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=5400)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+            results[name] = [json.loads(l) for l in Path(f.name).read_text().splitlines()]
+        last = results[name][-1]
+        metric = "test_accuracy" if "test_accuracy" in last else "valid_loss"
+        print(f"{name:22} {metric} {last[metric]:.4f}  wall {last['wall_s']:.1f} s  "
+              f"sent {last['bytes_sent'] / 2**20:.1f} MiB", flush=True)
+    save("accuracy", {"machine": machine(), "rate": args.rate, "ranks": args.ranks,
+                      "runs": results})
+    plot(results, RESULTS / "accuracy.png")
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for row, task, metric in ((0, "fashion", "test_accuracy"), (1, "shakespeare", "valid_loss")):
+        for name, recs in results.items():
+            if not name.startswith(task):
+                continue
+            axes[row][0].plot([r["wall_s"] for r in recs], [r[metric] for r in recs], "-o",
+                              label=name)
+            axes[row][1].plot([r["bytes_sent"] / 2**20 for r in recs], [r[metric] for r in recs],
+                              "-o", label=name)
+        axes[row][0].set_xlabel("wall-clock (s)")
+        axes[row][1].set_xlabel("MiB sent per rank")
+        axes[row][1].set_xscale("log")
+        for ax in axes[row]:
+            ax.set_ylabel(metric)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

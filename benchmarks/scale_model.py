@@ -1,0 +1,92 @@
+"""Fit the measured step times to the latency-bandwidth cost model and extrapolate to 1024 ranks.
+
+    .venv/bin/python benchmarks/scale_model.py      (after benchmarks/network.py)
+
+Model, per step, for a model of N float32 parameters at density d (k = dN entries of 8 bytes):
+    ring allreduce (dense):  T = 2 (P-1) a + 2 (P-1)/P * 4N / B
+    allgather (sparse):      T = (P-1) a + (P-1) * 8k / B
+    hvd_sparse with the dense fallback: the smaller of the two (decided per bucket by bytes)
+``a`` (per-message latency) and ``B`` (bandwidth) are fitted, per shaped rate, by least squares
+to the communication time measured in network.json (step time minus the no-communication floor).
+The fit uses the measured 2- and 4-rank points; everything beyond is extrapolation.
+Results: benchmarks/results/scale_model.json and scale_model.png.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from common import RESULTS, machine, save
+
+
+def design(opt, p, n, density):
+    if opt == "dense":
+        return 2 * (p - 1), 2 * (p - 1) / p * 4 * n
+    k = density * n
+    return (p - 1), (p - 1) * 8 * k
+
+
+def fit(points):
+    """Least squares for T = x_lat * a + x_bytes / B with a, 1/B >= 0."""
+    A = np.array([[x_lat, x_bytes] for x_lat, x_bytes, _ in points], dtype=float)
+    y = np.array([t for _, _, t in points], dtype=float)
+    sol, *_ = np.linalg.lstsq(A, y, rcond=None)
+    a, inv_b = max(sol[0], 1e-6), max(sol[1], 1e-12)
+    return a, 1.0 / inv_b
+
+
+def main():
+    data = json.loads((RESULTS / "network.json").read_text())
+    rows = [r for r in data["rows"] if r["optimizer"] in ("dense", "topk") and r["rate"] != "-"]
+    fits = {}
+    for rate in sorted({r["rate"] for r in rows}):
+        pts = []
+        for r in rows:
+            if r["rate"] != rate:
+                continue
+            comm = max(r["step_s"] - r["floor_s"], 0.0)
+            x_lat, x_bytes = design(r["optimizer"], r["ranks"], r["parameters"], 0.01)
+            pts.append((x_lat, x_bytes, comm))
+        a, b = fit(pts)
+        fits[rate] = {"latency_s": a, "bandwidth_Bps": b, "points": len(pts)}
+        print(f"{rate:8}: latency {a * 1e3:.2f} ms, effective bandwidth {b * 8 / 1e6:.1f} Mbit/s "
+              f"({len(pts)} points)")
+    n = 11_388_010
+    ranks = np.unique(np.logspace(1, 10, 40, base=2).astype(int))
+    curves = {}
+    for rate, f in fits.items():
+        for density in (0.01, 0.001):
+            dense = [design("dense", p, n, density) for p in ranks]
+            sparse = [design("topk", p, n, density) for p in ranks]
+            td = [x * f["latency_s"] + y / f["bandwidth_Bps"] for x, y in dense]
+            ts = [x * f["latency_s"] + y / f["bandwidth_Bps"] for x, y in sparse]
+            cross = next((int(p) for p, d, s in zip(ranks, td, ts) if s >= d), None)
+            curves[f"{rate}/{density}"] = {"ranks": ranks.tolist(), "dense_s": td, "sparse_s": ts,
+                                           "fallback_s": [min(d, s) for d, s in zip(td, ts)],
+                                           "allgather_stops_paying_at": cross}
+            print(f"{rate:8} density {density}: allgather stops paying at "
+                  f"{cross if cross else '> 1024'} ranks")
+    save("scale_model", {"machine": machine(), "model_parameters": n, "fits": fits,
+                         "curves": curves})
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, c in curves.items():
+        line, = ax.loglog(c["ranks"], c["sparse_s"], "--", label=f"allgather {key}")
+        ax.loglog(c["ranks"], c["fallback_s"], "-", color=line.get_color(),
+                  label=f"with dense fallback {key}")
+    for rate in fits:
+        c = curves[f"{rate}/0.01"]
+        ax.loglog(c["ranks"], c["dense_s"], ":", color="k", label=f"ring allreduce {rate}")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("communication time per step (s), 11.4M parameters")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "scale_model.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Guards that turn silent failure modes into clear errors on every rank.
+
+* :func:`check_same_config` - before the first exchange, every rank compares a digest of what it
+  is about to do (parameter names, shapes, dtypes, buckets, sparsifier and exchange options);
+  a mismatch raises :class:`ConfigMismatchError` on every rank, naming the first difference,
+  instead of a hang or a wrong sum.
+* :func:`verify_replicas` - a cheap checksum collective over parameters and replicated downlink
+  residuals; raises :class:`ReplicaDivergenceError` naming the first tensor that differs.
+* :class:`NonFiniteGradientError` - raised on every rank when any rank's gradient held NaN/Inf
+  (each payload carries a flag, so all ranks learn it from the same bytes).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+
+class ConfigMismatchError(RuntimeError):
+    """Ranks disagree on the model or on the optimizer's settings."""
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """Parameters or replicated residuals are no longer bitwise equal across ranks."""
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN or Inf on some rank."""
+
+
+def _gather_bytes(transport, data: bytes, name: str) -> list:
+    """Every rank's byte string, in rank order (one variable-size allgather)."""
+    payload = torch.frombuffer(bytearray(len(data).to_bytes(8, "little") + data),
+                               dtype=torch.uint8).clone()
+    buf = transport.wait(transport.allgather_async(payload, name)).cpu().numpy().tobytes()
+    out, pos = [], 0
+    for _ in range(transport.size()):
+        n = int.from_bytes(buf[pos:pos + 8], "little")
+        out.append(buf[pos + 8:pos + 8 + n])
+        pos += 8 + n
+    return out
+
+
+def _first_difference(a, b, path=""):
+    if type(a) is not type(b):
+        return path or "<root>", a, b
+    if isinstance(a, dict):
+        for k in list(dict.fromkeys(list(a) + list(b))):
+            if k not in a or k not in b:
+                return f"{path}.{k}".lstrip("."), a.get(k, "<missing>"), b.get(k, "<missing>")
+            d = _first_difference(a[k], b[k], f"{path}.{k}")
+            if d:
+                return d
+        return None
+    if isinstance(a, list):
+        if len(a) != len(b):
+            return f"{path} (length)", len(a), len(b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = _first_difference(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return None
+    return None if a == b else (path.lstrip("."), a, b)
+
+
+def check_same_config(transport, description: dict) -> None:
+    """Raise :class:`ConfigMismatchError` on every rank unless all ranks describe the same job."""
+    text = json.dumps(description, sort_keys=True, default=str).encode()
+    digests = _gather_bytes(transport, hashlib.sha256(text).digest(), "hvd_sparse.config.digest")
+    if all(d == digests[0] for d in digests):
+        return
+    texts = _gather_bytes(transport, text, "hvd_sparse.config.full")
+    descs = [json.loads(t) for t in texts]
+    for r in range(1, len(descs)):
+        diff = _first_difference(descs[0], descs[r])
+        if diff:
+            where, a, b = diff
+            raise ConfigMismatchError(
+                f"ranks disagree before the first exchange: '{where}' is {a!r} on rank 0 but "
+                f"{b!r} on rank {r}. Every rank must build the same model (names, shapes, "
+                "dtypes) and pass the same hvd_sparse options.")
+    raise ConfigMismatchError("ranks disagree on the optimizer's configuration")
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 numbers that change with any bit of ``t``: a plain and a position-weighted sum
+    of its bit patterns (no floating-point rounding involved)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64)
+    size = flat.element_size()
+    int_type = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    bits = flat.view(int_type).to(torch.int64).cpu()
+    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64) % 65521
+    return torch.stack([bits.sum(), (bits * weights).sum()])
+
+
+def verify_replicas(transport, named_tensors, step: int) -> None:
+    """Compare checksums of ``named_tensors`` across ranks; raise naming the first mismatch."""
+    names = [n for n, _ in named_tensors]
+    local = torch.stack([checksum(t) for _, t in named_tensors]) if names else \
+        torch.zeros((0, 2), dtype=torch.int64)
+    raw = local.contiguous().view(torch.uint8).reshape(-1)
+    gathered = transport.wait(transport.allgather_async(raw, "hvd_sparse.verify")).cpu()
+    table = gathered.view(torch.int64).view(transport.size(), len(names), 2)
+    for i, name in enumerate(names):
+        ranks = [r for r in range(transport.size()) if not torch.equal(table[r, i], table[0, i])]
+        if ranks:
+            raise ReplicaDivergenceError(
+                f"replicas diverged by step {step}: '{name}' differs between rank 0 and "
+                f"rank(s) {ranks}. Something outside hvd_sparse changed parameters on some "
+                "ranks only (a rank-dependent update, unsynchronised initialisation, or "
+                "non-deterministic kernels).")

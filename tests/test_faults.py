@@ -1,0 +1,134 @@
+"""Never hang, never drift, never lose a residual: real 2-3 rank runs, each with a timeout."""
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import hvd_sparse
+from conftest import WORKERS, _env, launch_command, run_ranks
+from hvd_sparse import wire
+from hvd_sparse.transport import LocalTransport
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def faults(request, tmp_path_factory, mpi_available):
+    out = tmp_path_factory.mktemp(f"faults-{request.param}")
+    proc, results = run_ranks("mpirun", request.param, "fault_scenarios.py", out, timeout=300)
+    for r in results:
+        assert "errors" not in r, "\n".join(r["errors"].values())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return results
+
+
+def test_replica_verification_names_the_diverging_tensor(faults):
+    for r in faults:
+        assert r["verify_clean"]
+        assert r["verify_error"] is not None, "a rank-local change went unnoticed"
+        assert "'2.bias'" in r["verify_error"] and "rank(s) [1]" in r["verify_error"]
+        assert r["verify_error_step"] < 60
+    assert len({r["verify_error_step"] for r in faults}) == 1  # the same step on every rank
+
+
+@pytest.mark.parametrize("case,word", [("extra_layer", "buckets"), ("shape", "numel"),
+                                       ("density", "density"), ("bpps", "backward_passes"),
+                                       ("sparsifier", "sparsifier")])
+def test_mismatched_ranks_fail_clearly_on_every_rank(faults, case, word):
+    for r in faults:
+        msg = r["mismatch"][case]
+        assert msg is not None, f"{case}: rank {r['rank']} noticed nothing"
+        assert word in msg, msg
+
+
+def test_nonfinite_gradient_raises_on_every_rank_and_stays_out_of_residuals(faults):
+    for r in faults:
+        msg = r["nonfinite_raise_error"]
+        assert msg is not None and "rank(s) [1]" in msg and "'0.weight'" in msg
+        if r["rank"] == 1:
+            assert "this rank: 0.weight" in msg
+        assert r["nonfinite_raise_residual_finite"]
+        assert r["nonfinite_raise_params_unchanged"]
+        assert r["nonfinite_raise_then_identical"]
+
+
+def test_nonfinite_gradient_skip_is_consistent(faults):
+    for r in faults:
+        assert r["nonfinite_skip_error"] is None
+        assert r["nonfinite_skip_params_unchanged"]  # no rank stepped
+        assert r["nonfinite_skip_residual_rolled_back"]  # nothing half-applied
+        assert r["nonfinite_skip_residual_finite"]
+        assert r["nonfinite_skip_then_identical"]
+
+
+def test_elastic_torch_state_keeps_error_feedback(faults):
+    for r in faults:
+        assert r["elastic_restore_uplink"] and r["elastic_restore_params"]
+        assert r["elastic_sync_keeps_own_uplink"]
+        assert r["elastic_sync_downlink_identical"]
+        assert r["elastic_trains_after_sync"]
+
+
+def test_checkpoint_from_another_rank_count_follows_the_rule(faults):
+    for r in faults:
+        assert r["other_size_downlink_restored"]
+        assert r["other_size_uplink_fresh"]
+        assert r["other_size_trains"]
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+def test_a_dying_rank_ends_the_job_in_bounded_time(launcher, mpi_available):
+    cmd = launch_command(launcher, 2, WORKERS / "crash.py")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{launcher}: the surviving rank hung after its peer died")
+    took = time.perf_counter() - start
+    assert proc.returncode != 0, "the job reported success although a rank died"
+    assert "finished without noticing" not in proc.stdout
+    assert took < 120
+
+
+def test_int64_indices_above_the_int32_limit(monkeypatch):
+    """Selection and the wire switch to int64 past 2**31-1 entries (limit lowered to test it)."""
+    monkeypatch.setattr(wire, "INT32_LIMIT", 999)
+    m = torch.nn.Linear(100, 20, bias=False)  # 2000 entries > the lowered limit
+    opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0),
+                                          named_parameters=m.named_parameters(), density=0.05,
+                                          bidirectional=False, transport=LocalTransport())
+    assert opt._hs_buckets[0].index_dtype == torch.int64
+    m(torch.randn(3, 100)).sum().backward()
+    raw = m.weight.grad.clone().reshape(-1)
+    opt.step()
+    assert opt.communication_stats()["bytes_sent"] == 16 + 100 * 8 + 100 * 4
+    assert torch.equal(m.weight.grad.reshape(-1) + opt._hs_uplink[0].buffer, raw)
+
+
+def test_large_buckets_are_split_and_behave_like_one():
+    """max_bucket_numel cuts a bucket (and a parameter) into pieces; the result per piece is
+    Top-K of that piece, and the pieces together cover every entry exactly once."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(300, 10)  # weight 3000 entries, bias 10
+    opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0),
+                                          named_parameters=m.named_parameters(), density=0.1,
+                                          bidirectional=False, scope="model",
+                                          max_bucket_numel=1000, min_sparse_numel=0,
+                                          transport=LocalTransport())
+    assert [b.numel for b in opt._hs_buckets] == [1000, 1000, 1000, 10]
+    assert opt._hs_buckets[0].name.startswith("weight[0:1000]")
+    m(torch.randn(4, 300)).pow(2).sum().backward()
+    raw = torch.cat([m.weight.grad.reshape(-1), m.bias.grad]).clone()
+    opt.step()
+    applied = torch.cat([m.weight.grad.reshape(-1), m.bias.grad])
+    residual = torch.cat([opt._hs_uplink[b.index].buffer for b in opt._hs_buckets])
+    assert torch.equal(applied + residual, raw)
+    for i, lo in enumerate((0, 1000, 2000)):
+        piece = applied[lo:lo + 1000]
+        assert int((piece != 0).sum()) == 100  # Top-K within each piece
+    with pytest.raises(ValueError, match="max_bucket_numel"):
+        hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0),
+                                        named_parameters=m.named_parameters(),
+                                        max_bucket_numel=0, transport=LocalTransport())
