@@ -48,7 +48,7 @@ def test_nonfinite_gradient_raises_on_every_rank_and_stays_out_of_residuals(faul
         msg = r["nonfinite_raise_error"]
         assert msg is not None and "rank(s) [1]" in msg and "'0.weight'" in msg
         if r["rank"] == 1:
-            assert "this rank: 0.weight" in msg
+            assert "0.weight" in msg.split("this rank:")[1]
         assert r["nonfinite_raise_residual_finite"]
         assert r["nonfinite_raise_params_unchanged"]
         assert r["nonfinite_raise_then_identical"]

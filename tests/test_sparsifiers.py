@@ -55,6 +55,16 @@ def test_gaussiank_count_within_its_bounds(kind, density):
         assert is_threshold_set(x, idx)
 
 
+@pytest.mark.parametrize("x", [torch.zeros(5000), torch.full((5000,), 0.25),
+                               torch.cat([torch.zeros(4990), torch.ones(10)])],
+                         ids=["zeros", "constant", "mostly_zero"])
+def test_gaussiank_degenerate_inputs(x):
+    gk = GaussianK()
+    idx = gk.select(x, 0.01, CTX)
+    lo, hi = gk.bounds(50)
+    assert lo <= idx.numel() <= hi and is_threshold_set(x, idx)
+
+
 def test_gaussiank_on_gaussian_data_needs_no_fallback():
     gk = GaussianK()
     gk.select(sample("gaussian", 200_000, 0), 0.01, CTX)

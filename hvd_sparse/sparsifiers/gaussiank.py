@@ -62,8 +62,11 @@ class GaussianK(Sparsifier):
                 return torch.nonzero(mag >= t).squeeze(1)
             if count == 0:
                 t = t * 0.5
-            else:
-                t = t * (z_target / _tail_quantile(count / n))
+                continue
+            z_seen = _tail_quantile(count / n)
+            if z_seen <= 0 or float(t) == 0.0:  # (nearly) every entry at or above t, e.g. an
+                break                           # all-zero or constant vector: exact Top-K below
+            t = t * (z_target / z_seen)
         self.last_fallback = True
         if count > hi:  # too many: keep the k largest of the candidates
             cand = torch.nonzero(mag >= t).squeeze(1)

@@ -27,10 +27,10 @@ def model(seed=0, extra=False, width=32):
 def step(m, opt, i, poison=None):
     g = torch.Generator().manual_seed(i * 31 + hvd.rank())
     x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    if poison is not None:  # reaches the gradients during backward, before any exchange
+        x[0, 0] = poison
     opt.zero_grad()
     F.cross_entropy(m(x), y).backward()
-    if poison is not None:
-        next(m.parameters()).grad[0, 0] = poison
     return opt.step()
 
 
