@@ -53,7 +53,8 @@ def main():
     rows = []
     if args.merge and (RESULTS / "network.json").exists():
         old = json.loads((RESULTS / "network.json").read_text())["rows"]
-        rows = [r for r in old if r["model"] not in args.models]
+        rows = [r for r in old if not (r["model"] in args.models
+                                       and (r["rate"] in args.rates or r["optimizer"] == "floor"))]
     for model in args.models:
         floor = run([PY, "-m", "hvd_sparse.train", "--optimizer", "local", "--model", model,
                      "--benchmark-steps", str(args.steps)], 600)

@@ -261,7 +261,10 @@ def _sample_threshold(g, r, k):
     rank = int(np.ceil(2.5 * expected + 3.0 * np.sqrt(expected) + 2))
     if rank >= sel.size:
         return None
-    return np.partition(mag, sel.size - rank)[sel.size - rank]
+    t = np.partition(mag, sel.size - rank)[sel.size - rank]
+    # a zero threshold would make every entry a candidate (a sparse aggregate plus a young
+    # residual is mostly zeros): take only non-zeros; too few falls back to the exact radix path
+    return max(t, np.nextafter(np.float32(0), np.float32(1)))
 
 
 def _collect(r, t, counts, chunk, bc=None):

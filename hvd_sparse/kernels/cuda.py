@@ -89,7 +89,8 @@ def _sample_threshold(acc_sample: torch.Tensor, n: int, k: int):
     rank = int(2.5 * expected + 3.0 * expected ** 0.5 + 2)
     if rank >= s:
         return None
-    return torch.kthvalue(acc_sample.abs(), s - rank + 1).values  # stays on the device
+    t = torch.kthvalue(acc_sample.abs(), s - rank + 1).values  # stays on the device
+    return torch.clamp_min(t, torch.finfo(torch.float32).tiny)  # never every entry (see cpu.py)
 
 
 def _pick_exact(cidx: torch.Tensor, cval: torch.Tensor, k: int):
