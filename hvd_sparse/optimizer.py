@@ -400,7 +400,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 if p.grad is not None:
                     p.grad = torch.zeros_like(p) if p.grad.is_sparse else p.grad.zero_()
         self._hs_skip_step = True
-        self._hs_stats.skipped = getattr(self._hs_stats, "skipped", 0) + 1
+        self._hs_stats.skipped += 1
         warnings.warn(f"skipping step {self._hs_steps} on every rank: non-finite gradient in "
                       f"{where}{mine}")
 

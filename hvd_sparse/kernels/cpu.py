@@ -79,19 +79,24 @@ if HAVE_NUMBA:
         return total
 
     @njit(cache=True)
+    def _gather_range(r, t, lo, hi, base, out_idx, out_val, pos):
+        """Copy (base + i, r[i]) for |r[i]| >= t, i in [lo, hi); returns the next position."""
+        for i in range(lo, hi):
+            v = r[i]
+            if abs(v) >= t:
+                out_idx[pos] = base + i
+                out_val[pos] = v
+                pos += 1
+        return pos
+
+    @njit(cache=True)
     def _gather_blocks_chunk(r, t, bc, base, out_idx, out_val, pos):
         """Like _gather_chunk, visiting only blocks that hold a candidate."""
         for b in range(bc.size):
-            if bc[b] == 0:
-                continue
-            lo = b * BLOCK
-            hi = min(r.size, lo + BLOCK)
-            for i in range(lo, hi):
-                v = r[i]
-                if abs(v) >= t:
-                    out_idx[pos] = base + i
-                    out_val[pos] = v
-                    pos += 1
+            if bc[b] != 0:
+                lo = b * BLOCK
+                pos = _gather_range(r, t, lo, min(r.size, lo + BLOCK), base, out_idx, out_val,
+                                    pos)
 
     @njit(parallel=True, cache=True)
     def _add_count_blocks(g, r, t, counts, bc, chunk):
@@ -127,12 +132,7 @@ if HAVE_NUMBA:
 
     @njit(cache=True)
     def _gather_chunk(r, t, base, out_idx, out_val, pos):
-        for i in range(r.size):
-            v = r[i]
-            if abs(v) >= t:
-                out_idx[pos] = base + i
-                out_val[pos] = v
-                pos += 1
+        _gather_range(r, t, 0, r.size, base, out_idx, out_val, pos)
 
     @njit(parallel=True, cache=True)
     def _add_count(g, r, t, counts, chunk):
