@@ -42,7 +42,7 @@ for i in range(steps):
     if (i + 1) % 1000 == 0:
         rss.append([i + 1, proc.memory_info().rss])
 digest = hashlib.sha256(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy().tobytes()).hexdigest()
-down = hashlib.sha256(torch.cat([r.buffer for r in opt._hs_downlink.values()]).numpy().tobytes()).hexdigest()
+down = hashlib.sha256(torch.cat([v.downlink for v in opt.engine_state().values() if v.sparse]).numpy().tobytes()).hexdigest()
 out = {"rank": hvd.rank(), "rss": rss, "params_sha256": digest, "downlink_sha256": down,
        "seconds": time.time() - t0, "selected_min": min(counts), "selected_max": max(counts),
        "steps": opt.communication_stats()["steps"]}

@@ -1,4 +1,12 @@
-"""When a sparse allgather stops paying: the per-bucket dense fallback.
+"""When a sparse exchange stops paying: the per-bucket dense fallback.
+
+Two rules. ``"time"`` (the default) weighs measured time: the sparse path's own compute per
+bucket (timed on the first steps, the maximum over ranks) plus the link's latency and
+bandwidth (timed with real collectives at start-up), against the time of a dense allreduce of
+the bucket on the same link. ``"bytes"`` compares bytes only (below). Both use only numbers
+every rank holds alike, so every rank makes the same decision.
+
+The bytes rule:
 
 Per rank, an allgather of P payloads of k entries receives about ``P * k * (index + value bytes)``
 while a ring allreduce of the dense bucket moves ``2 (P - 1) / P * n * value bytes`` (the
@@ -35,3 +43,39 @@ def prefer_dense(numel: int, k: int, world_size: int, index_bytes: int, value_by
     dense = dense_bytes(numel, world_size, dense_value_bytes) if dense_by == "ring" \
         else dense_gather_bytes(numel, world_size, dense_value_bytes)
     return sparse_bytes(numel, k, world_size, index_bytes, value_bytes) >= dense
+
+
+class Link:
+    """Latency and bandwidth of the two collectives, fitted from timed transfers of two sizes.
+
+    ``gather_*``: seconds and bytes-received-per-second of an allgather; ``reduce_*``: of an
+    allreduce, per byte of the tensor (the ring factor and the reduction are in the figure).
+    """
+
+    def __init__(self, gather_latency_s, gather_bandwidth_Bps, reduce_latency_s,
+                 reduce_bandwidth_Bps):
+        self.gather_latency_s = float(gather_latency_s)
+        self.gather_bandwidth_Bps = float(gather_bandwidth_Bps)
+        self.reduce_latency_s = float(reduce_latency_s)
+        self.reduce_bandwidth_Bps = float(reduce_bandwidth_Bps)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def fit_line(size_small, t_small, size_large, t_large):
+    """(latency, bandwidth) of ``t = latency + size / bandwidth`` through two timings."""
+    slope = max(t_large - t_small, 1e-9) / max(size_large - size_small, 1)
+    return max(t_small - size_small * slope, 0.0), 1.0 / slope
+
+
+def sparse_time(compute_s: float, received_bytes: float, link: Link) -> float:
+    """One bucket's sparse step: own compute plus an allgather of ``received_bytes``."""
+    return compute_s + link.gather_latency_s + received_bytes / link.gather_bandwidth_Bps
+
+
+def dense_time(nbytes: float, world_size: int, link: Link, by: str = "reduce") -> float:
+    """One bucket's dense step: an allreduce of ``nbytes`` (or an allgather of P copies)."""
+    if by == "gather":
+        return link.gather_latency_s + world_size * nbytes / link.gather_bandwidth_Bps
+    return link.reduce_latency_s + nbytes / link.reduce_bandwidth_Bps

@@ -22,7 +22,7 @@ def test_value_dtype_on_the_wire_keeps_rounding_in_the_residual(vdtype):
     sent = applied != 0
     assert int(sent.sum()) == 200
     assert torch.equal(applied[sent], raw[sent].to(vdtype).float())
-    assert torch.equal(applied + opt._hs_uplink[0].buffer, raw)
+    assert torch.equal(applied + list(opt.engine_state().values())[0].uplink, raw)
     vb = torch.empty(0, dtype=vdtype).element_size()
     assert opt.communication_stats()["bytes_sent"] == 16 + 200 * 4 + 200 * vb
 

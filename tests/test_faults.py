@@ -99,12 +99,12 @@ def test_int64_indices_above_the_int32_limit(monkeypatch):
     opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0),
                                           named_parameters=m.named_parameters(), density=0.05,
                                           bidirectional=False, transport=LocalTransport())
-    assert opt._hs_buckets[0].index_dtype == torch.int64
+    assert list(opt.engine_state().values())[0].index_dtype == torch.int64
     m(torch.randn(3, 100)).sum().backward()
     raw = m.weight.grad.clone().reshape(-1)
     opt.step()
     assert opt.communication_stats()["bytes_sent"] == 16 + 100 * 8 + 100 * 4
-    assert torch.equal(m.weight.grad.reshape(-1) + opt._hs_uplink[0].buffer, raw)
+    assert torch.equal(m.weight.grad.reshape(-1) + list(opt.engine_state().values())[0].uplink, raw)
 
 
 def test_large_buckets_are_split_and_behave_like_one():
@@ -117,13 +117,13 @@ def test_large_buckets_are_split_and_behave_like_one():
                                           bidirectional=False, scope="model",
                                           max_bucket_numel=1000, min_sparse_numel=0,
                                           transport=LocalTransport())
-    assert [b.numel for b in opt._hs_buckets] == [1000, 1000, 1000, 10]
-    assert opt._hs_buckets[0].name.startswith("weight[0:1000]")
+    assert [b.numel for b in list(opt.engine_state().values())] == [1000, 1000, 1000, 10]
+    assert list(opt.engine_state().values())[0].name.startswith("weight[0:1000]")
     m(torch.randn(4, 300)).pow(2).sum().backward()
     raw = torch.cat([m.weight.grad.reshape(-1), m.bias.grad]).clone()
     opt.step()
     applied = torch.cat([m.weight.grad.reshape(-1), m.bias.grad])
-    residual = torch.cat([opt._hs_uplink[b.index].buffer for b in opt._hs_buckets])
+    residual = torch.cat([v.uplink for v in opt.engine_state().values()])
     assert torch.equal(applied + residual, raw)
     for i, lo in enumerate((0, 1000, 2000)):
         piece = applied[lo:lo + 1000]

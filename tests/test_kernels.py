@@ -1,15 +1,29 @@
-"""Fast fused kernels equal the torch reference exactly, on every backend present."""
+"""Every sparsifier's fused form equals its torch definition exactly, on every backend present:
+same positions, same values, same residual afterwards, uplink (grad + residual) and downlink
+(residual alone); NaN/Inf are reported and leave the residual untouched."""
+import copy
+
+import numpy as np
 import pytest
 import torch
 
 from hvd_sparse import kernels
-from hvd_sparse.kernels import cpu, cuda, reference
+from hvd_sparse.kernels import cpu, cuda, reference, select
+from hvd_sparse.sparsifiers import (AdaptiveTopK, GaussianK, HardThreshold, SelectionContext,
+                                    SparseBinary, TopK)
 
-BACKENDS = [pytest.param(cpu, id="numba", marks=pytest.mark.skipif(
-    not cpu.available(), reason="numba is not installed: the CPU fast path is not exercised")),
-    pytest.param(cuda, id="cupy", marks=pytest.mark.skipif(
-        not cuda.available(), reason="no CUDA device with CuPy here: the GPU kernels are "
-                                     "exercised only on a machine that has one"))]
+BACKENDS = [pytest.param(reference, id="torch"),
+            pytest.param(cpu, id="numba", marks=pytest.mark.skipif(
+                not cpu.available(), reason="numba is not installed: the CPU fast path is not "
+                                            "exercised")),
+            pytest.param(cuda, id="cupy", marks=pytest.mark.skipif(
+                not cuda.available(), reason="no CUDA device with CuPy here: the GPU kernels "
+                                             "are exercised only on a machine that has one"))]
+CTX = SelectionContext("b")
+
+
+def device_of(ops):
+    return "cuda" if ops is cuda else "cpu"
 
 
 def inputs(kind, n, seed, device="cpu"):
@@ -28,54 +42,109 @@ def inputs(kind, n, seed, device="cpu"):
         grad = -torch.zeros(n)
         grad[::7] = -1.0
         res = torch.zeros(n)
+    elif kind == "mostly_zero":  # a young downlink residual: a sparse aggregate
+        grad = torch.zeros(n)
+        pos = torch.randperm(n, generator=g)[:max(1, n // 150)]
+        grad[pos] = torch.randn(pos.numel(), generator=g)
+        res = torch.zeros(n)
     else:
         raise ValueError(kind)
     return grad.to(device), res.to(device)
 
 
-def check(impl, device, kind, n, k):
-    grad, res = inputs(kind, n, n + k, device)
+def run_both(ops, sparsifier, grad, res, density, downlink):
+    """(fused result, residual after commit) and (definition's result, residual after settle)."""
+    s_fast, s_ref = sparsifier, copy.deepcopy(sparsifier)
     r_fast, r_ref = res.clone(), res.clone()
-    i1, v1 = impl.fused_topk(grad, r_fast, k)
-    i2, v2 = reference.fused_topk(grad, r_ref, k)
-    assert torch.equal(i1.cpu(), i2.cpu()), (kind, n, k)
-    assert torch.equal(v1.cpu(), v2.cpu())
-    assert torch.equal(r_fast.cpu(), r_ref.cpu())
+    g = None if downlink else grad
+    if downlink:
+        r_fast.add_(grad)
+        r_ref.add_(grad)
+    sel = s_fast.fused(ops, g, r_fast, density, CTX)
+    if sel is None:
+        return None
+    assert not sel.nonfinite
+    select.commit(ops, g, r_fast, sel, sel.values)
+    acc = r_ref if downlink else r_ref.add_(grad)
+    idx, vals = s_ref.compress(acc, density, CTX)
+    if idx.numel():
+        acc[idx] = acc[idx] - vals
+    return (sel.idx, sel.values, r_fast), (idx, vals, r_ref)
 
 
-@pytest.mark.parametrize("impl", BACKENDS)
-@pytest.mark.parametrize("kind", ["random", "heavy", "all_equal", "quantised", "negative_zero"])
-@pytest.mark.parametrize("n,k", [(1, 1), (2, 1), (17, 0), (17, 17), (1000, 10), (300_000, 300),
-                                 (300_000, 30_000), (1 << 20, 1000)])
-def test_fused_topk_equals_reference(impl, kind, n, k):
-    check(impl, "cuda" if impl is cuda else "cpu", kind, n, k)
+def assert_same(a, b, what):
+    for x, y in zip(a, b):
+        assert torch.equal(x.cpu(), y.cpu()), what
 
 
-@pytest.mark.parametrize("impl", BACKENDS)
+SPARSIFIERS = {"topk": TopK, "gaussiank": GaussianK, "sbc": SparseBinary,
+               "threshold": lambda: HardThreshold(1.5),
+               "adaptive": lambda: AdaptiveTopK(total_steps=10)}
+
+
+@pytest.mark.parametrize("ops", BACKENDS)
+@pytest.mark.parametrize("method", list(SPARSIFIERS))
+@pytest.mark.parametrize("kind", ["random", "heavy", "all_equal", "quantised", "negative_zero",
+                                  "mostly_zero"])
+@pytest.mark.parametrize("n,density", [(1, 1.0), (2, 0.5), (17, 1.0), (1000, 0.01),
+                                       (300_000, 0.001), (300_000, 0.1), (1 << 20, 0.001)])
+@pytest.mark.parametrize("downlink", [False, True], ids=["up", "down"])
+def test_fused_equals_definition(ops, method, kind, n, density, downlink):
+    grad, res = inputs(kind, n, n + int(density * 1000), device_of(ops))
+    got = run_both(ops, SPARSIFIERS[method](), grad, res, density, downlink)
+    if got is None:  # no fused form for this input (SBC with a side short of candidates)
+        assert method == "sbc"
+        return
+    assert_same(*got, (method, kind, n, density, downlink))
+
+
+@pytest.mark.parametrize("ops", BACKENDS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_topk_threaded_equals_reference(impl, threads):
+def test_fused_threaded_equals_definition(ops, threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for kind in ("random", "quantised"):
-            check(impl, "cuda" if impl is cuda else "cpu", kind, 2_000_003, 2000)
+            grad, res = inputs(kind, 2_000_003, 5, device_of(ops))
+            for method in ("topk", "sbc", "gaussiank"):
+                got = run_both(ops, SPARSIFIERS[method](), grad, res, 0.001, False)
+                if got is not None:
+                    assert_same(*got, (kind, method, threads))
     finally:
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("ops", BACKENDS)
 @pytest.mark.parametrize("threshold", [0.0, 0.3, 1.0000001, 2.5, 1e9])
-def test_fused_threshold_equals_reference(impl, threshold):
-    device = "cuda" if impl is cuda else "cpu"
-    grad, res = inputs("random", 500_000, 3, device)
-    r_fast, r_ref = res.clone(), res.clone()
-    i1, v1 = impl.fused_threshold(grad, r_fast, threshold)
-    i2, v2 = reference.fused_threshold(grad, r_ref, threshold)
-    assert torch.equal(i1.cpu(), i2.cpu()) and torch.equal(v1.cpu(), v2.cpu())
-    assert torch.equal(r_fast.cpu(), r_ref.cpu())
+def test_fused_threshold_equals_definition(ops, threshold):
+    grad, res = inputs("random", 500_000, 3, device_of(ops))
+    assert_same(*run_both(ops, HardThreshold(threshold), grad, res, 0.01, False), threshold)
 
 
-def test_dispatch_and_fallback(monkeypatch):
+@pytest.mark.parametrize("ops", BACKENDS)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("method", list(SPARSIFIERS))
+def test_nonfinite_is_reported_and_residual_untouched(ops, poison, method):
+    grad, res = inputs("random", 200_000, 1, device_of(ops))
+    grad[123_457] = poison
+    r = res.clone()
+    sel = SPARSIFIERS[method]().fused(ops, grad, r, 0.01, CTX)
+    if sel is None:
+        return
+    assert sel.nonfinite and sel.idx.numel() == 0
+    assert torch.equal(r, res)
+
+
+@pytest.mark.parametrize("ops", BACKENDS)
+def test_scan_energy_is_the_squared_norm(ops):
+    grad, res = inputs("random", 300_001, 2, device_of(ops))
+    s = ops.scan(grad, res, np.float32(1.0), np.float32(1.0))
+    if s.energy is not None:
+        want = float((grad.double() + res.double()).pow(2).sum())
+        assert abs(s.energy - want) <= 1e-4 * want
+
+
+def test_dispatch_and_helpers(monkeypatch):
     f32, f64 = torch.zeros(4), torch.zeros(4, dtype=torch.float64)
     assert kernels.backend_for(f64) == "torch"
     assert kernels.backend_for(f32) == ("numba" if cpu.available() else "torch")
@@ -86,5 +155,7 @@ def test_dispatch_and_fallback(monkeypatch):
     grad, res = inputs("random", 1000, 0)
     r2 = res.clone()
     i, v = kernels.fused_topk(grad, res, 7)
-    j, w = reference.fused_topk(grad, r2, 7)
-    assert torch.equal(i, j) and torch.equal(res, r2)
+    acc = r2 + grad
+    order = torch.sort(acc.abs(), descending=True, stable=True).indices[:7]
+    assert torch.equal(i, torch.sort(order).values)
+    assert torch.equal(v, acc[i]) and float(res[i].abs().sum()) == 0.0

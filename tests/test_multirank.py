@@ -103,3 +103,21 @@ def test_cost_model_falls_back_to_dense_identically_on_all_ranks(core):
             assert f["selected"] == f["numel"] and f["equal"]
         selected, numel = r["no_fallback_selected"]
         assert selected < numel / 10
+
+
+def test_time_cost_model_agrees_across_ranks_and_goes_dense_when_sparse_loses(core):
+    for r in core:
+        assert set(r["time_before"].values()) == {"sparse"}  # nothing decided before calibration
+        rep = r["time_report"]
+        assert rep["rule"] == "time" and rep["calibrated_at_step"] == 2
+        link = rep["link"]
+        assert link["gather_bandwidth_Bps"] > 0 and link["reduce_bandwidth_Bps"] > 0
+        for b in rep["buckets"].values():
+            assert b["compute_s"] > 0 and b["sparse_s"] > 0 and b["dense_s"] > 0
+            assert b["mode"] == ("dense" if b["dense_s"] < b["sparse_s"] else "sparse")
+        assert "dense" in {b["mode"] for b in rep["buckets"].values()}
+        assert r["time_modes_equal"] and r["time_params_equal"]
+        selected, numel = r["time_after"]
+        assert selected > numel / 2  # the dense buckets count whole
+    # every rank decided from the same agreed numbers
+    assert all(r["time_report"] == core[0]["time_report"] for r in core)

@@ -224,7 +224,7 @@ def test_every_sparsifier_conserves_mass_in_the_optimizer(name):
         density=0.05, bidirectional=False, sparsifier=name, min_sparse_numel=0,
         transport=LocalTransport(), **SPARSIFIER_ARGS[name])
     for step in range(5):
-        before = {n: (opt._hs_uplink[i].buffer.clone() if opt._hs_uplink[i].buffer is not None
+        before = {n: (list(opt.engine_state().values())[i].uplink.clone() if list(opt.engine_state().values())[i].uplink is not None
                       else torch.zeros(p.numel()))
                   for i, (n, p) in enumerate(m.named_parameters())}
         opt.zero_grad()
@@ -232,7 +232,7 @@ def test_every_sparsifier_conserves_mass_in_the_optimizer(name):
         acc = {n: p.grad.reshape(-1) + before[n] for n, p in m.named_parameters()}
         opt.step()
         for i, (n, p) in enumerate(m.named_parameters()):
-            rebuilt = p.grad.reshape(-1) + opt._hs_uplink[i].buffer
+            rebuilt = p.grad.reshape(-1) + list(opt.engine_state().values())[i].uplink
             if name == "sbc":  # sent values are a mean, not the entries: one rounding
                 assert torch.allclose(rebuilt, acc[n], rtol=0, atol=1e-6)
             else:

@@ -1,10 +1,10 @@
-"""Fused error feedback + selection, per backend.
+"""Selection kernels: one set of primitives per backend, and the methods built on them.
 
-``fused_select`` runs ``acc = grad + residual``, the selection and the residual update in one
-go for the sparsifiers that have a fused form (Top-K, hard threshold) and returns ``None`` for
-the others, which then take the general path. Backends: CuPy on CUDA tensors
-(:mod:`.cuda`), numba on float32 CPU tensors (:mod:`.cpu`), and the plain torch reference
-(:mod:`.reference`) that both are tested against and that serves every other case.
+Backends (:func:`ops_for` picks one per tensor): CuPy on float32 CUDA tensors (:mod:`.cuda`),
+numba on float32 CPU tensors (:mod:`.cpu`), and plain torch for everything else
+(:mod:`.reference`, also the yardstick of the fast ones). The methods (:mod:`.select`) are
+called by each sparsifier's ``fused`` form. ``fused_topk`` and ``fused_threshold`` run select
+and commit in one call (feedback, selection, residual update), for benchmarks and tests.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import os
 
 import torch
 
-from . import cpu, cuda, reference
-from ..sparsifiers.base import k_for_density
-from ..sparsifiers.threshold import HardThreshold
-from ..sparsifiers.topk import TopK
+from . import cpu, cuda, reference, select
+from .select import Selection
+
+__all__ = ["ops_for", "backend_for", "fused_topk", "fused_threshold", "Selection", "select"]
 
 
 def backend_for(t: torch.Tensor) -> str:
@@ -35,18 +35,26 @@ def backend_for(t: torch.Tensor) -> str:
 _IMPL = {"cupy": cuda, "numba": cpu, "torch": reference}
 
 
+def ops_for(t: torch.Tensor):
+    """The primitives module for tensors like ``t``."""
+    return _IMPL[backend_for(t)]
+
+
+def _run(sel_fn, grad, residual, *args):
+    ops = ops_for(residual)
+    if grad is not None and grad.dtype != residual.dtype:
+        ops = reference
+    sel = sel_fn(ops, grad, residual, *args)
+    select.commit(ops, grad, residual, sel, sel.values)
+    return sel.idx, sel.values.clone()
+
+
 def fused_topk(grad, residual, k):
-    return _IMPL[backend_for(residual)].fused_topk(grad, residual, k)
+    """``residual += grad``; the exact Top-K by magnitude (ties by lowest index) is returned and
+    zeroed in the residual."""
+    return _run(select.topk, grad, residual, k)
 
 
 def fused_threshold(grad, residual, threshold):
-    return _IMPL[backend_for(residual)].fused_threshold(grad, residual, threshold)
-
-
-def fused_select(sparsifier, grad, residual, density, ctx):
-    """(indices, values) with ``residual`` updated, or ``None`` if ``sparsifier`` has no fused form."""
-    if type(sparsifier) is TopK:
-        return fused_topk(grad, residual, k_for_density(residual.numel(), density))
-    if type(sparsifier) is HardThreshold:
-        return fused_threshold(grad, residual, sparsifier.threshold)
-    return None
+    """``residual += grad``; every ``|entry| >= threshold`` is returned and zeroed."""
+    return _run(select.threshold, grad, residual, threshold)

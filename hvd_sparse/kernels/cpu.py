@@ -1,24 +1,25 @@
-"""CPU fused feedback + selection with numba, near memory speed, multi-threaded.
+"""CPU selection primitives with numba: read-only scans near memory speed, multi-threaded.
 
-Exact Top-K in two passes over the gradient, using a threshold estimated from a sample:
+The methods in :mod:`hvd_sparse.kernels.select` are written once against four primitives; this
+module is their numba form for float32 CPU tensors (``g`` is the gradient, or ``None`` on the
+downlink where the residual already holds the aggregate; ``acc = g + r``):
 
-1. a small, cache-friendly sample of ``acc = grad + residual`` (64 contiguous blocks) gives a
-   magnitude ``t`` that about 2.5 k entries exceed (a generous margin over the sample's noise);
-2. one fused pass adds the gradient into the residual (which becomes ``acc``) and counts, per
-   chunk, the entries with ``|acc| >= t``;
-3. one pass copies those candidates, in index order and in parallel (per-chunk offsets are known),
-   into a short list, where the exact rank by (magnitude desc, index asc) picks the k.
+* :func:`scan` - one read of ``g`` and ``r``: counts the candidates (``acc >= t_hi`` or
+  ``acc <= -t_lo``) per 16-entry block (one cache line) and flags NaN/Inf, writing nothing;
+* :func:`gather` - copies the candidates, in index order and in parallel (per-chunk offsets
+  come from the scan), visiting only the blocks the scan marked;
+* :func:`kth_magnitude` - the exact k-th largest ``|acc|`` (radix histogram on the float bits),
+  for the rare case where a sampled threshold aimed too high;
+* :func:`commit` - ``r += g`` and the selected positions set to what the wire could not carry.
 
-If the sample overestimated ``t`` (fewer than k candidates), an exact radix select on the float
-bits of ``|acc|`` (for non-negative floats the bit pattern, read as an unsigned integer, orders
-like the value) finds the bin of the k-th magnitude instead, and the same gather follows. Either
-way the result equals the torch reference exactly. Memory traffic: 16 bytes per float32 (read
-grad and residual, write residual, read residual once more) against a 12-byte floor.
-
-Only float32 is taken here; other dtypes use the torch reference. numba is optional: without it
-:func:`available` is False and callers fall back.
+Nothing writes the residual before :func:`commit`, so a step that some rank has to skip (a
+NaN anywhere) leaves every residual exactly as it was. Fast math is on except for the NaN/Inf
+assumptions, which would remove the non-finite check. numba is optional: without it
+:func:`available` is False and the torch reference serves.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,8 +32,12 @@ try:
 except ImportError:  # pragma: no cover - depends on the installation
     HAVE_NUMBA = False
 
+BLOCK = 16  # one 64-byte cache line of float32: the unit the gather skips or visits
 BINS = 1 << 16
-BLOCK = 64  # candidates are counted per block so the gather pass can skip empty blocks
+FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}  # not nnan/ninf: NaN must be seen
+FLT_MAX = np.float32(3.4028234663852886e38)
+
+name = "numba"
 
 
 def available() -> bool:
@@ -40,139 +45,103 @@ def available() -> bool:
 
 
 if HAVE_NUMBA:
-    # Inner loops run on contiguous chunk slices (so LLVM vectorises them); the outer
-    # ``prange`` loops spread chunks over threads.
-
-    @njit(fastmath=True, cache=True)
-    def _add_count_chunk(g, r, t):
-        m = 0
-        for i in range(g.size):
-            a = g[i] + r[i]
-            r[i] = a
-            m += np.int64(abs(a) >= t)
-        return m
-
-    @njit(fastmath=True, cache=True)
-    def _add_count_blocks_chunk(g, r, t, bc):
-        """r += g, counting |r| >= t per 64-entry block into bc; returns the chunk's total."""
+    @njit(fastmath=FASTMATH, cache=True)
+    def _scan_chunk(g, r, thi, tlo, bc):
+        """Candidates per block into ``bc``; returns (total, count of non-finite entries,
+        sum of acc^2)."""
+        n = r.size
+        full = n // BLOCK
         total = 0
-        full = g.size // BLOCK
-        for b in range(full):  # fixed-length inner loop: vectorised and unrolled
+        bad = 0
+        energy = 0.0
+        for b in range(full):  # fixed-length inner loop: vectorised
             lo = b * BLOCK
             m = np.int32(0)
+            nb = np.int32(0)
+            e = np.float32(0)
             for j in range(BLOCK):
-                a = g[lo + j] + r[lo + j]
-                r[lo + j] = a
-                m += np.int32(abs(a) >= t)
+                if g is None:
+                    a = r[lo + j]
+                else:
+                    a = g[lo + j] + r[lo + j]
+                m += np.int32((a >= thi) | (a <= -tlo))
+                nb += np.int32(not (abs(a) <= FLT_MAX))
+                e += a * a
             bc[b] = m
             total += m
-        if full < bc.size:
+            bad += nb
+            energy += e
+        if full * BLOCK < n:
             m = np.int32(0)
-            for i in range(full * BLOCK, g.size):
-                a = g[i] + r[i]
-                r[i] = a
-                m += np.int32(abs(a) >= t)
+            for i in range(full * BLOCK, n):
+                if g is None:
+                    a = r[i]
+                else:
+                    a = g[i] + r[i]
+                m += np.int32((a >= thi) | (a <= -tlo))
+                bad += np.int32(not (abs(a) <= FLT_MAX))
+                energy += a * a
             bc[full] = m
             total += m
-        for b in range(full + 1, bc.size):
-            bc[b] = 0
-        return total
+        return total, bad, energy
 
-    @njit(cache=True)
-    def _gather_range(r, t, lo, hi, base, out_idx, out_val, pos):
-        """Copy (base + i, r[i]) for |r[i]| >= t, i in [lo, hi); returns the next position."""
-        for i in range(lo, hi):
-            v = r[i]
-            if abs(v) >= t:
-                out_idx[pos] = base + i
-                out_val[pos] = v
-                pos += 1
-        return pos
-
-    @njit(cache=True)
-    def _gather_blocks_chunk(r, t, bc, base, out_idx, out_val, pos):
-        """Like _gather_chunk, visiting only blocks that hold a candidate."""
+    @njit(fastmath=FASTMATH, cache=True)
+    def _gather_chunk(g, r, thi, tlo, bc, base, out_idx, out_val, pos, end):
+        """Copy (base + i, acc[i]) of the candidates of the marked blocks, in index order."""
+        n = r.size
         for b in range(bc.size):
             if bc[b] != 0:
                 lo = b * BLOCK
-                pos = _gather_range(r, t, lo, min(r.size, lo + BLOCK), base, out_idx, out_val,
-                                    pos)
+                hi = min(n, lo + BLOCK)
+                for i in range(lo, hi):
+                    if g is None:
+                        a = r[i]
+                    else:
+                        a = g[i] + r[i]
+                    if ((a >= thi) | (a <= -tlo)) and pos < end:
+                        out_idx[pos] = base + i
+                        out_val[pos] = a
+                        pos += 1
+        return pos
 
     @njit(parallel=True, cache=True)
-    def _add_count_blocks(g, r, t, counts, bc, chunk):
-        n = g.size
+    def _scan_par(g, r, thi, tlo, bc, counts, bads, energies, chunk):
         per = chunk // BLOCK
         for c in prange(counts.size):
             lo = c * chunk
-            hi = min(n, lo + chunk)
-            counts[c] = _add_count_blocks_chunk(g[lo:hi], r[lo:hi], t, bc[c * per:(c + 1) * per])
+            hi = min(r.size, lo + chunk)
+            if g is None:
+                t, nb, e = _scan_chunk(None, r[lo:hi], thi, tlo, bc[c * per:(c + 1) * per])
+            else:
+                t, nb, e = _scan_chunk(g[lo:hi], r[lo:hi], thi, tlo, bc[c * per:(c + 1) * per])
+            counts[c] = t
+            bads[c] = nb
+            energies[c] = e
 
     @njit(parallel=True, cache=True)
-    def _gather_blocks(r, t, bc, offsets, chunk, out_idx, out_val):
-        n = r.size
+    def _gather_par(g, r, thi, tlo, bc, offsets, chunk, out_idx, out_val):
         per = chunk // BLOCK
-        for c in prange(offsets.size):
+        for c in prange(offsets.size - 1):
             lo = c * chunk
-            hi = min(n, lo + chunk)
-            _gather_blocks_chunk(r[lo:hi], t, bc[c * per:(c + 1) * per], lo, out_idx, out_val,
-                                 offsets[c])
-
-    @njit(fastmath=True, cache=True)
-    def _count_chunk(r, t):
-        m = 0
-        for i in range(r.size):
-            m += np.int64(abs(r[i]) >= t)
-        return m
+            hi = min(r.size, lo + chunk)
+            if g is None:
+                _gather_chunk(None, r[lo:hi], thi, tlo, bc[c * per:(c + 1) * per], lo,
+                              out_idx, out_val, offsets[c], offsets[c + 1])
+            else:
+                _gather_chunk(g[lo:hi], r[lo:hi], thi, tlo, bc[c * per:(c + 1) * per], lo,
+                              out_idx, out_val, offsets[c], offsets[c + 1])
 
     @njit(cache=True)
-    def _histogram_chunk(rbits, h):
+    def _histogram_chunk(bits, h):
         h[:] = 0
-        for i in range(rbits.size):
-            h[(rbits[i] & 0x7FFFFFFF) >> 16] += 1
-
-    @njit(cache=True)
-    def _gather_chunk(r, t, base, out_idx, out_val, pos):
-        _gather_range(r, t, 0, r.size, base, out_idx, out_val, pos)
+        for i in range(bits.size):
+            h[(bits[i] & 0x7FFFFFFF) >> 16] += 1
 
     @njit(parallel=True, cache=True)
-    def _add_count(g, r, t, counts, chunk):
-        """r += g; counts[c] = #{i in chunk c : |r[i]| >= t}."""
-        n = g.size
-        for c in prange(counts.size):
-            lo = c * chunk
-            hi = min(n, lo + chunk)
-            counts[c] = _add_count_chunk(g[lo:hi], r[lo:hi], t)
-
-    @njit(parallel=True, cache=True)
-    def _count(r, t, counts, chunk):
-        n = r.size
-        for c in prange(counts.size):
-            lo = c * chunk
-            hi = min(n, lo + chunk)
-            counts[c] = _count_chunk(r[lo:hi], t)
-
-    @njit(parallel=True, cache=True)
-    def _histogram(rbits, hist, chunk):
-        """Per-chunk histogram of the top 16 bits of |r|'s float pattern."""
-        n = rbits.size
+    def _histogram_par(bits, hist, chunk):
         for c in prange(hist.shape[0]):
             lo = c * chunk
-            hi = min(n, lo + chunk)
-            _histogram_chunk(rbits[lo:hi], hist[c])
-
-    @njit(parallel=True, cache=True)
-    def _gather(r, t, offsets, chunk, out_idx, out_val):
-        """Copy (i, r[i]) with |r[i]| >= t, chunk by chunk, in index order."""
-        n = r.size
-        for c in prange(offsets.size):
-            lo = c * chunk
-            hi = min(n, lo + chunk)
-            _gather_chunk(r[lo:hi], t, lo, out_idx, out_val, offsets[c])
-
-    @njit(cache=True)
-    def _zero_at(r, idx):
-        for j in range(idx.size):
-            r[idx[j]] = 0.0
+            _histogram_chunk(bits[lo:min(bits.size, lo + chunk)], hist[c])
 
 
 def _threads():
@@ -191,167 +160,127 @@ def _chunks(n: int):
     """Chunk count and length (a multiple of BLOCK) for ``n`` entries."""
     threads = _threads()
     nchunks = 1 if threads == 1 else max(1, min(threads * 4, (n + 65535) // 65536))
-    chunk = -(-n // nchunks)
+    chunk = -(-max(n, 1) // nchunks)
     chunk = -(-chunk // BLOCK) * BLOCK
-    return -(-n // chunk), chunk
+    return -(-max(n, 1) // chunk), chunk
 
 
-def _add_count_blocks_any(g, r, t, counts, bc, chunk):
-    if counts.size == 1:
-        counts[0] = _add_count_blocks_chunk(g, r, t, bc)
-    else:
-        _add_count_blocks(g, r, t, counts, bc, chunk)
-
-
-def _gather_blocks_any(r, t, bc, offsets, chunk, out_idx, out_val):
-    if offsets.size == 1:
-        _gather_blocks_chunk(r, t, bc, 0, out_idx, out_val, 0)
-    else:
-        _gather_blocks(r, t, bc, offsets, chunk, out_idx, out_val)
-
-
-# With one chunk the loops run on the calling thread, never entering numba's thread pool,
-# whose idle workers spin and would steal the cores other ranks on the machine need.
-def _add_count_any(g, r, t, counts, chunk):
-    if counts.size == 1:
-        counts[0] = _add_count_chunk(g, r, t)
-    else:
-        _add_count(g, r, t, counts, chunk)
-
-
-def _count_any(r, t, counts, chunk):
-    if counts.size == 1:
-        counts[0] = _count_chunk(r, t)
-    else:
-        _count(r, t, counts, chunk)
-
-
-def _histogram_any(rbits, hist, chunk):
-    if hist.shape[0] == 1:
-        _histogram_chunk(rbits, hist[0])
-    else:
-        _histogram(rbits, hist, chunk)
-
-
-def _gather_any(r, t, offsets, chunk, out_idx, out_val):
-    if offsets.size == 1:
-        _gather_chunk(r, t, 0, out_idx, out_val, 0)
-    else:
-        _gather(r, t, offsets, chunk, out_idx, out_val)
-
-
-def _views(grad: torch.Tensor, residual: torch.Tensor):
-    if grad.dtype != torch.float32 or residual.dtype != torch.float32:
+def _np(t):
+    if t is None:
+        return None
+    if t.dtype != torch.float32:
         raise TypeError("the numba kernels take float32")
-    g = grad.detach().contiguous().numpy()
-    r = residual.numpy()  # shares memory: updates land in the torch tensor
-    return g, r, r.view(np.uint32)
+    return t.detach().contiguous().numpy()
 
 
-def _sample_threshold(g, r, k):
-    """A magnitude about 2.5 k entries of acc = g + r exceed, from 64 contiguous blocks."""
-    n = g.size
-    blocks, width = 64, max(64, min(4096, n // 256))
-    if blocks * width * 4 >= n:
-        return None
-    starts = (np.arange(blocks, dtype=np.int64) * (n - width)) // (blocks - 1)
-    sel = (starts[:, None] + np.arange(width)[None, :]).reshape(-1)
-    mag = np.abs(g[sel] + r[sel])
-    expected = sel.size * k / n
-    rank = int(np.ceil(2.5 * expected + 3.0 * np.sqrt(expected) + 2))
-    if rank >= sel.size:
-        return None
-    t = np.partition(mag, sel.size - rank)[sel.size - rank]
-    # a zero threshold would make every entry a candidate (a sparse aggregate plus a young
-    # residual is mostly zeros): take only non-zeros; too few falls back to the exact radix path
-    return max(t, np.nextafter(np.float32(0), np.float32(1)))
+class Scan(NamedTuple):
+    count: int
+    nonfinite: bool
+    t_hi: np.float32
+    t_lo: np.float32
+    blocks: np.ndarray  # candidates per block
+    offsets: np.ndarray  # where each chunk's candidates start (length nchunks + 1)
+    chunk: int
+    energy: float  # sum of acc^2 (the compression-error statistic needs no extra pass)
 
 
-def _collect(r, t, counts, chunk, bc=None):
-    """Copy the entries with |r| >= t (``counts`` per chunk) in index order; ``bc`` (per-block
-    counts from the fused pass) lets the copy skip blocks without a candidate."""
-    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    m = int(counts.sum())
-    cidx = np.empty(m, dtype=np.int64)
-    cval = np.empty(m, dtype=np.float32)
-    if bc is None:
-        _gather_any(r, t, offsets, chunk, cidx, cval)
+def scan(g, r, t_hi, t_lo) -> Scan:
+    """Count ``acc >= t_hi or acc <= -t_lo`` and look for NaN/Inf; reads only."""
+    gn, rn = _np(g), _np(r)
+    thi, tlo = np.float32(t_hi), np.float32(t_lo)
+    nchunks, chunk = _chunks(rn.size)
+    bc = np.empty(nchunks * (chunk // BLOCK), dtype=np.uint8)
+    counts = np.empty(nchunks, dtype=np.int64)
+    bads = np.empty(nchunks, dtype=np.int64)
+    energies = np.empty(nchunks, dtype=np.float64)
+    if nchunks == 1:  # on the calling thread: numba's pool stays asleep
+        counts[0], bads[0], energies[0] = _scan_chunk(gn, rn, thi, tlo, bc)
     else:
-        _gather_blocks_any(r, t, bc, offsets, chunk, cidx, cval)
-    return cidx, cval
+        _scan_par(gn, rn, thi, tlo, bc, counts, bads, energies, chunk)
+    offsets = np.zeros(nchunks + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return Scan(int(offsets[-1]), bool(bads.any()), thi, tlo, bc, offsets, chunk,
+                float(energies.sum()))
 
 
-def _bin_floor(r, rbits, k, chunk, nchunks):
-    """Exact radix step: the smallest float whose top-16-bit bin holds the k-th magnitude."""
+def gather(g, r, s: Scan):
+    """The candidates of scan ``s`` as (int64 indices, float32 acc values), in index order."""
+    gn, rn = _np(g), _np(r)
+    cidx = np.empty(s.count, dtype=np.int64)
+    cval = np.empty(s.count, dtype=np.float32)
+    if s.offsets.size == 2:
+        _gather_chunk(gn, rn, s.t_hi, s.t_lo, s.blocks, 0, cidx, cval, 0, s.count)
+    else:
+        _gather_par(gn, rn, s.t_hi, s.t_lo, s.blocks, s.offsets, s.chunk, cidx, cval)
+    return torch.from_numpy(cidx), torch.from_numpy(cval)
+
+
+def sample(g, r, positions: np.ndarray) -> np.ndarray:
+    """``acc`` at the given positions, on the host (float32)."""
+    rn = _np(r)
+    return rn[positions] if g is None else _np(g)[positions] + rn[positions]
+
+
+def kth_magnitude(g, r, k: int) -> np.float32:
+    """A float32 ``t`` with at least ``k`` entries ``|acc| >= t`` and at most those of the bin of
+    the k-th largest magnitude: the floor of that bin in a 16-bit radix histogram of the float
+    bits (for non-negative floats the bit pattern orders like the value)."""
+    rn = _np(r)
+    acc = rn if g is None else _np(g) + rn
+    bits = acc.view(np.uint32)
+    nchunks, chunk = _chunks(bits.size)
     hist = np.empty((nchunks, BINS), dtype=np.int64)
-    _histogram_any(rbits, hist, chunk)
+    if nchunks == 1:
+        _histogram_chunk(bits, hist[0])
+    else:
+        _histogram_par(bits, hist, chunk)
     from_top = np.cumsum(hist.sum(axis=0)[::-1])
     b = BINS - 1 - int(np.searchsorted(from_top, k))
     return np.array([b << 16], dtype=np.uint32).view(np.float32)[0]
 
 
-def fused_topk(grad: torch.Tensor, residual: torch.Tensor, k: int):
-    """:func:`hvd_sparse.kernels.reference.fused_topk`, fast, on float32 CPU tensors."""
-    g, r, rbits = _views(grad, residual)
-    n = r.size
-    if k >= n or k <= 0:
-        residual.add_(grad)
-        if k <= 0:
-            return torch.empty(0, dtype=torch.int64), residual[:0].clone()
-        vals = residual.clone()
-        residual.zero_()
-        return torch.arange(n), vals
-    nchunks, chunk = _chunks(n)
-    counts = np.empty(nchunks, dtype=np.int64)
-    t = _sample_threshold(g, r, k)
-    bc = None
-    if t is not None:
-        bc = np.empty(nchunks * (chunk // BLOCK), dtype=np.int32)
-        _add_count_blocks_any(g, r, np.float32(t), counts, bc, chunk)
-    else:
-        r += g
-    if t is None or counts.sum() < k:  # no sample, or it aimed too high: exact radix bin
-        t = _bin_floor(r, rbits, k, chunk, nchunks)
-        _count_any(r, t, counts, chunk)
-        bc = None
-    cidx, cval = _collect(r, np.float32(t), counts, chunk, bc)
-    # exact rank among the candidates: larger magnitude first, then lower index
-    mag = np.abs(cval)
-    kth = np.partition(mag, mag.size - k)[mag.size - k]
-    keep = mag > kth
-    ties = np.flatnonzero(mag == kth)[:k - int(keep.sum())]  # candidates are in index order
+def pick_topk(cidx: torch.Tensor, cval: torch.Tensor, k: int, sign: int = 0):
+    """The k largest of the candidates (by ``|v|``, or by ``sign * v``), ties by lowest index;
+    candidates come in index order and so do the results."""
+    v = cval.numpy()
+    score = np.abs(v) if sign == 0 else (v if sign > 0 else -v)
+    if k >= score.size:
+        return cidx, cval
+    kth = np.partition(score, score.size - k)[score.size - k]
+    keep = score > kth
+    ties = np.flatnonzero(score == kth)[:k - int(keep.sum())]
     keep[ties] = True
-    idx, vals = cidx[keep], cval[keep]
-    _zero_at(r, idx)
-    return torch.from_numpy(idx), torch.from_numpy(vals)
+    keep_t = torch.from_numpy(keep)
+    return cidx[keep_t], cval[keep_t]
 
 
-def fused_threshold(grad: torch.Tensor, residual: torch.Tensor, threshold: float):
-    """:func:`hvd_sparse.kernels.reference.fused_threshold`, fast, on float32 CPU tensors."""
-    g, r, _ = _views(grad, residual)
-    t32 = np.float32(threshold)
-    if t32 < threshold:  # keep |acc| >= threshold exact when threshold is not a float32
-        t32 = np.nextafter(t32, np.float32(np.inf))
-    nchunks, chunk = _chunks(r.size)
-    counts = np.empty(nchunks, dtype=np.int64)
-    _add_count_any(g, r, t32, counts, chunk)
-    cidx, cval = _collect(r, t32, counts, chunk)
-    _zero_at(r, cidx)
-    return torch.from_numpy(cidx), torch.from_numpy(cval)
+def commit(g, r, idx, remainder) -> None:
+    """``r += g`` (torch's threaded add), then ``r[idx] = remainder``."""
+    if g is not None:
+        r.add_(g)
+    if idx.numel():
+        r[idx] = remainder
 
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) every kernel, serial and threaded variants."""
     if not HAVE_NUMBA:
         return
+    import sys
+
+    from . import select
+
+    me = sys.modules[__name__]
     g = torch.randn(1 << 18)
     for threads in (1, 2):
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            fused_topk(g, torch.zeros_like(g), 100)
-            fused_topk(g, torch.zeros_like(g), 1 << 17)
-            fused_threshold(g, torch.zeros_like(g), 1.0)
+            for grad in (g, None):
+                r = torch.randn(1 << 18) * 0.1
+                select.topk(me, grad, r, 100)
+                select.topk(me, grad, r, 1 << 17)
+                kth_magnitude(grad, r, 100)
         finally:
             torch.set_num_threads(old)
     from .. import golomb

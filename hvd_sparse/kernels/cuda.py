@@ -1,19 +1,29 @@
-"""GPU fused feedback + selection with CuPy, on the current torch stream, zero-copy via DLPack.
+"""GPU selection primitives with CuPy, on torch's current stream, zero-copy via DLPack.
 
-Same plan as the CPU kernel (:mod:`hvd_sparse.kernels.cpu`): a threshold ``t`` from a sample of
-``acc`` (on the device), one fused kernel that writes ``acc = grad + residual`` into the residual
-and counts ``|acc| >= t`` (warp-reduced, one atomic per warp), one read of that count to the host
-(the only device-to-host transfer per bucket: it sizes the candidate buffer), one compaction
-kernel, then an exact pick among the candidates by (magnitude desc, index asc) with torch ops on
-the short list. If the sample aimed too high, exact ``torch.topk`` on the device is the fallback.
+The same four primitives as :mod:`hvd_sparse.kernels.cpu` (see :mod:`.select` for the methods
+built on them), for float32 CUDA tensors:
 
-Every CuPy launch goes on torch's current stream, so there is no race with the kernels that
-produced the gradient or with Horovod's use of the result. Requires CuPy and a CUDA device;
-:func:`available` says whether both are there.
+* :func:`scan` - one read-only kernel: counts ``acc >= t_hi or acc <= -t_lo`` (warp-reduced, one
+  atomic per warp) and flags NaN/Inf; the count and the flag come back in one host read, which
+  sizes the candidate buffer;
+* :func:`gather` - a compaction kernel (atomic slots), then a sort of the short candidate list
+  by index, so the order is the same as on the CPU whatever the thread schedule;
+* :func:`kth_magnitude`, :func:`pick_topk` and :func:`commit` use torch on the device (the
+  stable sort breaks ties by lowest index without a host read).
+
+Host reads per bucket: the sample (a few thousand floats, for the threshold) and the scan's
+count. Every CuPy launch goes on torch's current stream, so there is no race with the kernels
+that produced the gradient or with a collective that uses the result. Requires CuPy and a CUDA
+device; :func:`available` says whether both are there.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch
+
+from . import reference
 
 try:  # CuPy is optional
     import cupy as cp
@@ -23,37 +33,45 @@ except Exception:  # ImportError, or a CuPy without a usable CUDA runtime
     cp = None
     HAVE_CUPY = False
 
-_ADD_COUNT_SRC = r"""
+name = "cupy"
+
+_SCAN_SRC = r"""
 extern "C" __global__
-void add_count(const float* __restrict__ g, float* __restrict__ r, const float* __restrict__ tp,
-               const long long n, unsigned long long* __restrict__ count) {
-    const float t = *tp;  // the threshold stays on the device: no host round trip
+void scan(const float* __restrict__ g, const float* __restrict__ r, const int has_g,
+          const float thi, const float tlo, const long long n,
+          unsigned long long* __restrict__ out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long stride = (long long)gridDim.x * blockDim.x;
-    unsigned int mine = 0;
+    unsigned int mine = 0, bad = 0;
     for (; i < n; i += stride) {
-        float a = g[i] + r[i];
-        r[i] = a;
-        mine += fabsf(a) >= t;
+        float a = has_g ? g[i] + r[i] : r[i];
+        mine += (a >= thi) | (a <= -tlo);
+        bad |= !(fabsf(a) <= 3.402823466e38f);
     }
-    for (int off = 16; off > 0; off >>= 1) mine += __shfl_down_sync(0xffffffffu, mine, off);
-    if ((threadIdx.x & 31) == 0 && mine) atomicAdd(count, (unsigned long long)mine);
+    for (int off = 16; off > 0; off >>= 1) {
+        mine += __shfl_down_sync(0xffffffffu, mine, off);
+        bad |= __shfl_down_sync(0xffffffffu, bad, off);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        if (mine) atomicAdd(out, (unsigned long long)mine);
+        if (bad) atomicOr(out + 1, 1ull);
+    }
 }
 """
 
-_COMPACT_SRC = r"""
+_GATHER_SRC = r"""
 extern "C" __global__
-void compact(const float* __restrict__ r, const float* __restrict__ tp, const long long n,
-             long long* __restrict__ out_idx, float* __restrict__ out_val,
-             unsigned long long* __restrict__ pos, const unsigned long long cap) {
-    const float t = *tp;
+void gather(const float* __restrict__ g, const float* __restrict__ r, const int has_g,
+            const float thi, const float tlo, const long long n,
+            long long* __restrict__ out_idx, float* __restrict__ out_val,
+            unsigned long long* __restrict__ pos, const unsigned long long cap) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long stride = (long long)gridDim.x * blockDim.x;
     for (; i < n; i += stride) {
-        float v = r[i];
-        if (fabsf(v) >= t) {
+        float a = has_g ? g[i] + r[i] : r[i];
+        if ((a >= thi) | (a <= -tlo)) {
             unsigned long long p = atomicAdd(pos, 1ull);
-            if (p < cap) { out_idx[p] = i; out_val[p] = v; }
+            if (p < cap) { out_idx[p] = i; out_val[p] = a; }
         }
     }
 }
@@ -67,14 +85,10 @@ def available() -> bool:
     return HAVE_CUPY and torch.cuda.is_available()
 
 
-def _kernel(name, src):
-    if name not in _kernels:
-        _kernels[name] = cp.RawKernel(src, name)
-    return _kernels[name]
-
-
-def _cupy(t: torch.Tensor):
-    return cp.from_dlpack(t)
+def _kernel(kname, src):
+    if kname not in _kernels:
+        _kernels[kname] = cp.RawKernel(src, kname)
+    return _kernels[kname]
 
 
 def _grid(n):
@@ -83,81 +97,58 @@ def _grid(n):
     return (blocks,), (threads,)
 
 
-def _sample_threshold(acc_sample: torch.Tensor, n: int, k: int):
-    s = acc_sample.numel()
-    expected = s * k / n
-    rank = int(2.5 * expected + 3.0 * expected ** 0.5 + 2)
-    if rank >= s:
-        return None
-    t = torch.kthvalue(acc_sample.abs(), s - rank + 1).values  # stays on the device
-    return torch.clamp_min(t, torch.finfo(torch.float32).tiny)  # never every entry (see cpu.py)
+def _args(g, r):
+    if r.dtype != torch.float32 or (g is not None and g.dtype != torch.float32):
+        raise TypeError("the CuPy kernels take float32")
+    rc = cp.from_dlpack(r.detach())
+    gc = cp.from_dlpack(g.detach().contiguous()) if g is not None else rc
+    return gc, rc, np.int32(g is not None)
 
 
-def _pick_exact(cidx: torch.Tensor, cval: torch.Tensor, k: int):
-    """The k largest magnitudes among the candidates, ties by lowest index, with no host sync:
-    a stable descending sort of index-ordered candidates puts equal magnitudes in index order."""
-    order = torch.argsort(cidx)
-    cidx, cval = cidx[order], cval[order]
-    top = torch.sort(cval.abs(), descending=True, stable=True).indices[:k]
-    top = torch.sort(top).values  # back to index order
-    return cidx[top], cval[top]
+def _stream(t):
+    return cp.cuda.ExternalStream(torch.cuda.current_stream(t.device).cuda_stream)
 
 
-def _run(grad: torch.Tensor, residual: torch.Tensor, t: torch.Tensor):
-    """Fused add+count then compaction at threshold ``t`` (a 1-element float32 device tensor)."""
-    n = residual.numel()
-    stream = cp.cuda.ExternalStream(torch.cuda.current_stream(residual.device).cuda_stream)
+class Scan(NamedTuple):
+    count: int
+    nonfinite: bool
+    t_hi: np.float32
+    t_lo: np.float32
+    energy: None = None  # not measured here: the engine computes it after the commit
+
+
+def scan(g, r, t_hi, t_lo) -> Scan:
+    n = r.numel()
+    thi, tlo = np.float32(t_hi), np.float32(t_lo)
+    gc, rc, has_g = _args(g, r)
+    stream = _stream(r)
     with stream:
-        counter = cp.zeros(1, dtype=cp.uint64)
+        out = cp.zeros(2, dtype=cp.uint64)
         grid, block = _grid(n)
-        _kernel("add_count", _ADD_COUNT_SRC)(
-            grid, block, (_cupy(grad), _cupy(residual), _cupy(t), cp.int64(n), counter))
-        m = int(counter.get(stream=stream)[0])  # the one device-to-host read of the bucket
-        cidx = torch.empty(m, dtype=torch.int64, device=residual.device)
-        cval = torch.empty(m, dtype=torch.float32, device=residual.device)
-        if m:
+        _kernel("scan", _SCAN_SRC)(grid, block, (gc, rc, has_g, thi, tlo, cp.int64(n), out))
+        count, bad = (int(x) for x in out.get(stream=stream))  # the bucket's count read
+    return Scan(count, bool(bad), thi, tlo)
+
+
+def gather(g, r, s: Scan):
+    n = r.numel()
+    cidx = torch.empty(s.count, dtype=torch.int64, device=r.device)
+    cval = torch.empty(s.count, dtype=torch.float32, device=r.device)
+    if s.count:
+        gc, rc, has_g = _args(g, r)
+        with _stream(r):
             pos = cp.zeros(1, dtype=cp.uint64)
-            _kernel("compact", _COMPACT_SRC)(
-                grid, block, (_cupy(residual), _cupy(t), cp.int64(n), _cupy(cidx), _cupy(cval),
-                              pos, cp.uint64(m)))
-    return m, cidx, cval
+            grid, block = _grid(n)
+            _kernel("gather", _GATHER_SRC)(
+                grid, block, (gc, rc, has_g, s.t_hi, s.t_lo, cp.int64(n),
+                              cp.from_dlpack(cidx), cp.from_dlpack(cval), pos,
+                              cp.uint64(s.count)))
+        order = torch.argsort(cidx)  # atomic slots come in any order: restore index order
+        cidx, cval = cidx[order], cval[order]
+    return cidx, cval
 
 
-def fused_topk(grad: torch.Tensor, residual: torch.Tensor, k: int):
-    """Exact Top-K with error feedback on float32 CUDA tensors (see module docstring)."""
-    n = residual.numel()
-    g = grad.detach().contiguous()
-    if k >= n or k <= 0 or n < 65536:
-        from .reference import fused_topk as ref
-        return ref(g, residual, k)
-    step = max(1, n // 32768)
-    sample = g[::step][:32768] + residual[::step][:32768]
-    t = _sample_threshold(sample, n, k)
-    if t is None:
-        from .reference import fused_topk as ref
-        return ref(g, residual, k)
-    m, cidx, cval = _run(g, residual, t.reshape(1).float().contiguous())
-    if m < k:  # the sample aimed too high; acc is already in the residual
-        from ..sparsifiers.base import topk_indices
-        idx = topk_indices(residual, k)
-        vals = residual[idx].clone()
-        residual[idx] = 0
-        return idx, vals
-    idx, vals = _pick_exact(cidx, cval, k)
-    residual[idx] = 0
-    return idx, vals
-
-
-def fused_threshold(grad: torch.Tensor, residual: torch.Tensor, threshold: float):
-    """Hard threshold with error feedback on float32 CUDA tensors."""
-    import numpy as np
-
-    t32 = np.float32(threshold)
-    if t32 < threshold:  # |acc| >= threshold exactly, also when it is not a float32
-        t32 = np.nextafter(t32, np.float32(np.inf))
-    t = torch.tensor([float(t32)], dtype=torch.float32).to(residual.device)  # host-to-device
-    m, cidx, cval = _run(grad.detach().contiguous(), residual, t)
-    order = torch.argsort(cidx)
-    idx, vals = cidx[order], cval[order]
-    residual[idx] = 0
-    return idx, vals
+sample = reference.sample
+kth_magnitude = reference.kth_magnitude
+pick_topk = reference.pick_topk
+commit = reference.commit

@@ -1,26 +1,78 @@
-"""The plain torch fused step every fast kernel is tested against.
+"""The selection primitives in plain torch: every dtype and device, and the yardstick the
+numba and CuPy forms are tested against (same arguments, same results, bit for bit).
 
-``residual`` is updated in place: it becomes ``grad + residual`` and then holds zeros where
-entries were selected (their values are returned). Top-K ties break by lowest index.
+Each primitive materialises ``acc = g + r`` and a mask, so this backend makes extra passes and
+allocations; it serves what the fast ones do not take (float64, other devices) and the tests.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
-from ..sparsifiers.base import topk_indices
+name = "torch"
 
 
-def fused_topk(grad: torch.Tensor, residual: torch.Tensor, k: int):
-    residual.add_(grad)
-    idx = topk_indices(residual, k)
-    vals = residual[idx].clone()
-    residual[idx] = 0
-    return idx, vals
+def available() -> bool:
+    return True
 
 
-def fused_threshold(grad: torch.Tensor, residual: torch.Tensor, threshold: float):
-    residual.add_(grad)
-    idx = torch.nonzero(residual.abs() >= threshold).squeeze(1)
-    vals = residual[idx].clone()
-    residual[idx] = 0
-    return idx, vals
+def _acc(g, r):
+    return r if g is None else r + g.to(r.dtype)
+
+
+class Scan(NamedTuple):
+    count: int
+    nonfinite: bool
+    idx: torch.Tensor
+    values: torch.Tensor
+    energy: float  # sum of acc^2
+
+
+def _threshold(t, dtype):
+    return torch.tensor(float(t), dtype=dtype)
+
+
+def scan(g, r, t_hi, t_lo) -> Scan:
+    acc = _acc(g, r)
+    thi, tlo = _threshold(t_hi, acc.dtype).to(acc.device), _threshold(t_lo, acc.dtype).to(acc.device)
+    mask = (acc >= thi) | (acc <= -tlo)
+    idx = torch.nonzero(mask).squeeze(1)
+    return Scan(int(idx.numel()), not bool(torch.isfinite(acc).all()), idx, acc[idx],
+                float(acc.double().pow(2).sum()))
+
+
+def gather(g, r, s: Scan):
+    return s.idx, s.values
+
+
+def sample(g, r, positions: np.ndarray) -> np.ndarray:
+    pos = torch.from_numpy(positions).to(r.device)
+    out = r[pos] if g is None else r[pos] + g[pos].to(r.dtype)
+    return out.cpu().numpy()
+
+
+def kth_magnitude(g, r, k: int):
+    """The exact k-th largest ``|acc|`` (any ``t`` with at least k entries at or above it and
+    no more than the k-th's bin serves the callers; the exact value is such a ``t``)."""
+    mag = _acc(g, r).abs()
+    return torch.topk(mag, k, sorted=False).values.min().item()
+
+
+def pick_topk(cidx, cval, k, sign=0):
+    """The k largest candidates by ``|v|`` (or ``sign * v``), ties by lowest index, in index order."""
+    score = cval.abs() if sign == 0 else (cval if sign > 0 else -cval)
+    if k >= score.numel():
+        return cidx, cval
+    # a stable descending sort keeps index order among equal scores (candidates are in index order)
+    top = torch.sort(score, descending=True, stable=True).indices[:k]
+    top = torch.sort(top).values
+    return cidx[top], cval[top]
+
+
+def commit(g, r, idx, remainder) -> None:
+    if g is not None:
+        r.add_(g.to(r.dtype))
+    if idx.numel():
+        r[idx] = remainder.to(r.dtype)

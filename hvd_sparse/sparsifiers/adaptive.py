@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from ..kernels import select as fused_select
 from .base import Sparsifier, k_for_density, topk_indices
 
 
@@ -67,20 +70,33 @@ class AdaptiveTopK(Sparsifier):
         cap = math.floor(left - k_min * (left_steps - 1))
         return max(min(k, k_max, cap, numel), min(k_min, numel), 0)
 
-    def select(self, acc, density, ctx):
-        k = self.k_for_step(acc.numel(), density, ctx.bucket)
-        st = self._state(ctx.bucket)
+    def _take(self, bucket, k):
+        st = self._state(bucket)
         st["spent"] += k
         st["steps"] += 1
         st["last_k"] = k
+
+    def select(self, acc, density, ctx):
+        k = self.k_for_step(acc.numel(), density, ctx.bucket)
+        self._take(ctx.bucket, k)
         return topk_indices(acc, k)
+
+    def fused(self, ops, grad, residual, density, ctx):
+        k = self.k_for_step(residual.numel(), density, ctx.bucket)
+        sel = fused_select.topk(ops, grad, residual, k)
+        if not sel.nonfinite:  # a step with NaN/Inf selects nothing and spends nothing
+            self._take(ctx.bucket, k)
+        return sel
 
     def target_count(self, numel, density, ctx):
         return self._state(ctx.bucket)["last_k"] or None
 
+    observes = True
+
     def observe(self, aggregate, ctx):
         st = self._state(ctx.bucket)
-        s = float(aggregate.double().pow(2).sum())
+        # summed on the host in one fixed order: the same bits whatever the thread count
+        s = float(np.sum(np.square(aggregate.detach().double().cpu().numpy())))
         st["signal"] = s
         st["mean"] = s if st["mean"] is None else self.ema * st["mean"] + (1 - self.ema) * s
 

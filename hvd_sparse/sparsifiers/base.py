@@ -84,12 +84,25 @@ class Sparsifier:
         idx = self.select(acc, density, ctx)
         return idx, acc[idx]
 
+    def fused(self, ops, grad: Optional[torch.Tensor], residual: torch.Tensor, density: float,
+              ctx: SelectionContext):
+        """This method over ``acc = grad + residual`` with a backend's selection primitives
+        (:mod:`hvd_sparse.kernels.select`), reading without writing: a
+        :class:`~hvd_sparse.kernels.Selection`, or ``None`` where the method has no such form
+        (the engine then runs :meth:`compress` on the accumulated residual). ``grad`` is
+        ``None`` on the downlink. Must equal :meth:`compress` on ``acc`` exactly."""
+        return None
+
     def target_count(self, numel: int, density: float, ctx: SelectionContext) -> Optional[int]:
         """The count this method aims at for a bucket (``None`` when it has no fixed target)."""
         return k_for_density(numel, density)
 
+    #: the engine calls :meth:`observe` only for methods that set this
+    observes = False
+
     def observe(self, aggregate: torch.Tensor, ctx: SelectionContext) -> None:
-        """See the step's aggregated gradient (identical on every rank). Default: ignore it."""
+        """See the step's aggregated gradient, as the values of its non-zero support (identical
+        on every rank; the positions do not matter to any method here). Default: ignore it."""
 
     def state_dict(self) -> dict:
         """Algorithm state that must survive a checkpoint (none for stateless methods)."""

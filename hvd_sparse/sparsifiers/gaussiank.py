@@ -3,9 +3,11 @@
 Sorting or a selection network over the whole gradient is what makes exact Top-K slow on GPUs.
 GaussianK instead assumes the error-compensated gradient is roughly normal, N(mu, sigma^2),
 and takes the threshold whose two-sided tail holds the target fraction ``rho``:
-``t = |mu| + sigma * Phi^-1(1 - rho / 2)``. Real gradients have heavier tails than a normal, so the
+``t = |mu| + sigma * Phi^-1(1 - rho / 2)``. Here mu and sigma come from a fixed sample of the
+vector (64 contiguous blocks, a few thousand entries; the whole vector when it is short), so
+the fit costs no pass over the data. Real gradients have heavier tails than a normal, so the
 count at ``t`` is checked and ``t`` corrected, a bounded number of times, until the count lies in
-``[k / slack, k * slack]``. Each pass costs one reduction and one host read (the count).
+``[k / slack, k * slack]``. Each check is one read-only scan and one host read (the count).
 
 Correction rule: at the current threshold the observed tail fraction is ``c / n``; the normal
 model maps a fraction to a quantile, so ``t`` is rescaled by ``z(k/n) / z(c/n)``, which moves it
@@ -15,15 +17,9 @@ the whole vector (too few) makes the result land inside it: the band is a guaran
 """
 from __future__ import annotations
 
-import torch
-
-from .base import Sparsifier, k_for_density, topk_of
-
-
-def _tail_quantile(frac: float) -> float:
-    """z with P(|N(0,1)| >= z) = frac."""
-    frac = min(max(frac, 1e-12), 1.0)
-    return float(torch.special.ndtri(torch.tensor(1.0 - frac / 2.0, dtype=torch.float64)))
+from ..kernels import reference
+from ..kernels import select as fused_select
+from .base import Sparsifier, k_for_density
 
 
 class GaussianK(Sparsifier):
@@ -43,35 +39,18 @@ class GaussianK(Sparsifier):
         """The accepted count band for a target k."""
         return max(1, int(k / self.slack)), max(1, int(k * self.slack))
 
-    def select(self, acc, density, ctx):
-        n = acc.numel()
-        k = k_for_density(n, density)
-        if k >= n:
-            return torch.arange(n, device=acc.device)
+    def _run(self, ops, grad, residual, density):
+        k = k_for_density(residual.numel(), density)
         lo, hi = self.bounds(k)
-        mag = acc.abs()
-        std, mean = torch.std_mean(acc.float())
-        z_target = _tail_quantile(k / n)
-        t = mean.abs() + std * z_target
-        count = 0
-        self.last_fallback = False
-        for p in range(1, self.max_passes + 1):
-            self.last_passes = p
-            count = int((mag >= t).sum())  # the one host read of this pass
-            if lo <= count <= hi:
-                return torch.nonzero(mag >= t).squeeze(1)
-            if count == 0:
-                t = t * 0.5
-                continue
-            z_seen = _tail_quantile(count / n)
-            if z_seen <= 0 or float(t) == 0.0:  # (nearly) every entry at or above t, e.g. an
-                break                           # all-zero or constant vector: exact Top-K below
-            t = t * (z_target / z_seen)
-        self.last_fallback = True
-        if count > hi:  # too many: keep the k largest of the candidates
-            cand = torch.nonzero(mag >= t).squeeze(1)
-            return torch.sort(cand[topk_of(mag[cand], k)]).values
-        return topk_of(mag, k)  # too few even after correction: exact Top-K
+        sel = fused_select.gaussiank(ops, grad, residual, k, lo, hi, self.max_passes)
+        self.last_passes, self.last_fallback = sel.passes, sel.fallback
+        return sel
+
+    def select(self, acc, density, ctx):
+        return self._run(reference, None, acc, density).idx
+
+    def fused(self, ops, grad, residual, density, ctx):
+        return self._run(ops, grad, residual, density)
 
     def __repr__(self):
         return f"GaussianK(slack={self.slack}, max_passes={self.max_passes})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import select as fused_select
 from .base import Sparsifier, k_for_density, topk_of
 
 
@@ -24,10 +25,13 @@ class SparseBinary(Sparsifier):
         k = k_for_density(acc.numel(), density)
         pos = topk_of(acc.clamp(min=0), k)
         neg = topk_of((-acc).clamp(min=0), k)
-        mean_pos = acc[pos].double().mean() if pos.numel() else acc.new_zeros((), dtype=torch.float64)
-        mean_neg = -acc[neg].double().mean() if neg.numel() else acc.new_zeros((), dtype=torch.float64)
+        mean_pos = fused_select.binary_mean(acc[pos])
+        mean_neg = -fused_select.binary_mean(acc[neg])
         if mean_pos >= mean_neg:
             idx, mean = pos, mean_pos
         else:
             idx, mean = neg, -mean_neg
-        return idx, torch.full((idx.numel(),), float(mean), dtype=acc.dtype, device=acc.device)
+        return idx, torch.full((idx.numel(),), mean, dtype=acc.dtype, device=acc.device)
+
+    def fused(self, ops, grad, residual, density, ctx):
+        return fused_select.sbc(ops, grad, residual, k_for_density(residual.numel(), density))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import select as fused_select
 from .base import Sparsifier, threshold_indices
 
 
@@ -42,6 +43,9 @@ class HardThreshold(Sparsifier):
 
     def select(self, acc, density, ctx):
         return threshold_indices(acc, self.threshold)
+
+    def fused(self, ops, grad, residual, density, ctx):
+        return fused_select.threshold(ops, grad, residual, self.threshold)
 
     def target_count(self, numel, density, ctx):
         return None

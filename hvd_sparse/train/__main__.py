@@ -38,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--bidirectional", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--scope", default="tensor", choices=["tensor", "model", "bucket"])
     p.add_argument("--deterministic-dense", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--cost-model", default="time", choices=["time", "bytes", "off"],
+                   help="per-bucket dense fallback: from measured time (default), bytes, or never")
     p.add_argument("--transport", default=None, choices=["horovod", "mpi"])
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--steps-per-epoch", type=int, default=200, help="shakespeare only")
@@ -121,7 +123,8 @@ def build_optimizer(args, model, base, hvd):
                                     bidirectional=args.bidirectional,
                                     downlink_density=args.downlink_density, scope=args.scope,
                                     deterministic_dense=args.deterministic_dense,
-                                    transport=args.transport, **extra)
+                                    cost_model=args.cost_model, transport=args.transport,
+                                    **extra)
 
 
 def main(argv=None):

@@ -81,7 +81,8 @@ def scenario_reference(res):
     size, rank = hvd.size(), hvd.rank()
     m = make_model(1)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
-                                   named_parameters=m.named_parameters(), density=0.1,
+                                   named_parameters=m.named_parameters(), cost_model="off",
+                                   density=0.1,
                                    downlink_density=0.05, min_sparse_numel=0,
                                    dense_fallback=False)
     names = [n for n, _ in m.named_parameters()]
@@ -139,12 +140,13 @@ def scenario_bitwise(res):
         m = make_model(2)
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-            named_parameters=m.named_parameters(), density=0.02, min_sparse_numel=0, **bucketing)
+            named_parameters=m.named_parameters(), cost_model="off", density=0.02,
+            min_sparse_numel=0, **bucketing)
         hvd.broadcast_parameters(m.state_dict(), root_rank=0)
         start = flat_params(m).clone()
         train(m, opt, 200)
-        down = torch.cat([r.buffer for r in opt._hs_downlink.values()])
-        up = torch.cat([r.buffer for r in opt._hs_uplink.values()])
+        down = torch.cat([v.downlink for v in opt.engine_state().values() if v.sparse])
+        up = torch.cat([v.uplink for v in opt.engine_state().values() if v.sparse])
         res[f"bitwise_{scope}_params_equal"] = all_equal_digest(flat_params(m))
         res[f"bitwise_{scope}_downlink_equal"] = all_equal_digest(down)
         res[f"bitwise_{scope}_uplink_differs"] = not all_equal_digest(up)
@@ -201,6 +203,7 @@ def scenario_dense_equivalence(res):
                 opt = real_hvd_optimizer(base, named_parameters=m.named_parameters(), **kwargs)
             else:
                 opt = hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(),
+                                               cost_model="off",
                                                density=1.0, min_sparse_numel=0, **kwargs)
             rank = hvd.rank()
             for step in range(20):
@@ -218,7 +221,7 @@ def scenario_bpps_guards(res):
     """backward_passes_per_step=2: zero_grad between passes and a third pass raise, as Horovod."""
     m = make_model(4)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                   named_parameters=m.named_parameters(),
+                                   named_parameters=m.named_parameters(), cost_model="off",
                                    backward_passes_per_step=2, min_sparse_numel=0)
     x, y = batch(0, hvd.rank())
     F.cross_entropy(forward(m, x), y).backward()
@@ -245,7 +248,8 @@ def scenario_missing_grad(res):
     """A parameter only rank 0 uses: no hang, identical replicas, the others get zeros+avg."""
     m = make_model(5, extra=True)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                   named_parameters=m.named_parameters(), density=0.2,
+                                   named_parameters=m.named_parameters(), cost_model="off",
+                                   density=0.2,
                                    min_sparse_numel=0)
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     side0 = m["side"].weight.detach().clone()
@@ -259,7 +263,8 @@ def scenario_checkpoint(res):
     def build():
         m = make_model(6)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-                                       named_parameters=m.named_parameters(), density=0.05,
+                                       named_parameters=m.named_parameters(), cost_model="off",
+                                       density=0.05,
                                        min_sparse_numel=0)
         return m, opt
 
@@ -298,7 +303,8 @@ def scenario_bad_input(res):
     errors = {}
     for name, kwargs in cases.items():
         try:
-            hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(), **kwargs)
+            hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(),
+                                     cost_model="off", **kwargs)
             errors[name] = None
         except (ValueError, TypeError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
@@ -320,6 +326,7 @@ def scenario_dense_fallback(res):
         m = make_model(8)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
                                        named_parameters=m.named_parameters(), density=0.7,
+                                       cost_model="bytes",
                                        min_sparse_numel=0, deterministic_dense=det)
         train(m, opt, 5)
         s = opt.communication_stats()
@@ -328,15 +335,36 @@ def scenario_dense_fallback(res):
     m = make_model(8)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
                                    named_parameters=m.named_parameters(), density=0.01,
+                                   cost_model="bytes",
                                    min_sparse_numel=0, deterministic_dense=False)
     train(m, opt, 2)
     s = opt.communication_stats()
     res["no_fallback_selected"] = [s["selected"], s["numel"]]
 
 
+def scenario_time_cost_model(res):
+    """The time rule: the same per-bucket choice on every rank, from agreed measurements; at
+    density 0.5 the sparse path moves more bytes than dense and also computes, so it loses."""
+    m = make_model(8)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
+                                   named_parameters=m.named_parameters(), density=0.5,
+                                   min_sparse_numel=0, calibration_steps=2)
+    train(m, opt, 1)
+    res["time_before"] = {k: v["mode"] for k, v in
+                          opt.communication_stats()["cost_model"]["buckets"].items()}
+    train(m, opt, 4, start=1)
+    s = opt.communication_stats()
+    report = s["cost_model"]
+    res["time_report"] = report
+    modes = {k: v["mode"] for k, v in report["buckets"].items()}
+    res["time_modes_equal"] = all(x == modes for x in hvd.allgather_object(modes))
+    res["time_after"] = [s["selected"], s["numel"]]
+    res["time_params_equal"] = all_equal_digest(flat_params(m))
+
+
 SCENARIOS = [scenario_bad_input, scenario_reference, scenario_bitwise, scenario_dense_equivalence,
              scenario_bpps_guards, scenario_missing_grad, scenario_checkpoint,
-             scenario_dense_fallback]
+             scenario_dense_fallback, scenario_time_cost_model]
 
 
 def main():

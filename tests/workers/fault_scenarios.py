@@ -41,6 +41,7 @@ def flat(m):
 def make(m, **kw):
     kw.setdefault("density", 0.1)
     kw.setdefault("min_sparse_numel", 0)
+    kw.setdefault("cost_model", "off")  # these scenarios test the sparse path itself
     return hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
                                     named_parameters=m.named_parameters(), **kw)
 
@@ -94,14 +95,14 @@ def scenario_nonfinite(res):
         for i in range(3):
             step(m, opt, i)
         before = flat(m).clone()
-        up_before = torch.cat([r.buffer for r in opt._hs_uplink.values()]).clone()
+        up_before = torch.cat([v.uplink for v in opt.engine_state().values() if v.sparse]).clone()
         poison = float("nan") if mode == "raise" else float("inf")
         try:
             step(m, opt, 3, poison=poison if hvd.rank() == 1 else None)
             res[f"nonfinite_{mode}_error"] = None
         except NonFiniteGradientError as e:
             res[f"nonfinite_{mode}_error"] = str(e)
-        up_after = torch.cat([r.buffer for r in opt._hs_uplink.values()])
+        up_after = torch.cat([v.uplink for v in opt.engine_state().values() if v.sparse])
         res[f"nonfinite_{mode}_residual_finite"] = bool(torch.isfinite(up_after).all())
         res[f"nonfinite_{mode}_params_unchanged"] = bool(torch.equal(before, flat(m)))
         if mode == "skip":
@@ -120,19 +121,19 @@ def scenario_elastic_state(res):
     for i in range(5):
         step(m, opt, i)
     state.commit()
-    committed_up = torch.cat([r.buffer for r in opt._hs_uplink.values()]).clone()
+    committed_up = torch.cat([v.uplink for v in opt.engine_state().values() if v.sparse]).clone()
     committed_params = flat(m).clone()
     for i in range(5, 9):
         step(m, opt, i)
     state.restore()
     res["elastic_restore_uplink"] = bool(torch.equal(
-        committed_up, torch.cat([r.buffer for r in opt._hs_uplink.values()])))
+        committed_up, torch.cat([v.uplink for v in opt.engine_state().values() if v.sparse])))
     res["elastic_restore_params"] = bool(torch.equal(committed_params, flat(m)))
-    own_up = torch.cat([r.buffer for r in opt._hs_uplink.values()]).clone()
+    own_up = torch.cat([v.uplink for v in opt.engine_state().values() if v.sparse]).clone()
     state.sync()  # broadcast from rank 0, as elastic does after a reset
     res["elastic_sync_keeps_own_uplink"] = bool(torch.equal(
-        own_up, torch.cat([r.buffer for r in opt._hs_uplink.values()])))
-    down = torch.cat([r.buffer for r in opt._hs_downlink.values()])
+        own_up, torch.cat([v.uplink for v in opt.engine_state().values() if v.sparse])))
+    down = torch.cat([v.downlink for v in opt.engine_state().values() if v.sparse])
     digests = hvd.allgather_object(down.numpy().tobytes())
     res["elastic_sync_downlink_identical"] = all(d == digests[0] for d in digests)
     for i in range(9, 12):
@@ -151,9 +152,9 @@ def scenario_checkpoint_other_size(res):
     opt2 = make(m2)
     opt2.load_state_dict(sd)
     res["other_size_downlink_restored"] = all(
-        torch.equal(opt2._hs_downlink[i].buffer, opt._hs_downlink[i].buffer)
-        for i in opt._hs_downlink)
-    res["other_size_uplink_fresh"] = all(r.buffer is None for r in opt2._hs_uplink.values())
+        torch.equal(a.downlink, b.downlink)
+        for a, b in zip(opt2.engine_state().values(), opt.engine_state().values()) if a.sparse)
+    res["other_size_uplink_fresh"] = all(v.uplink is None for v in opt2.engine_state().values() if v.sparse)
     for i in range(5, 8):
         step(m2, opt2, i)
     res["other_size_trains"] = True

@@ -88,6 +88,7 @@ def build(name, cfg):
     m = model()
     cfg = dict(cfg)
     cfg.setdefault("density", 0.05)
+    cfg.setdefault("cost_model", "off")  # these scenarios test the sparse path itself
     momentum = cfg.pop("_momentum", 0.0 if cfg.get("momentum_correction") else 0.9)
     base = torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum)
     opt = hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(),
@@ -115,7 +116,7 @@ def scenario(name, cfg, res):
     run(m, opt, 0, STEPS, counts)
     out["loss_end"] = full_loss(m)
     out["params_equal"] = same_everywhere(params(m))
-    down = [r.buffer for r in opt._hs_downlink.values() if r.buffer is not None]
+    down = [v.downlink for v in opt.engine_state().values() if v.downlink is not None]
     out["downlink_equal"] = same_everywhere(torch.cat(down)) if down else None
     out["counts"] = counts
     stats = opt.communication_stats()

@@ -1,0 +1,170 @@
+"""The engine's typed, frozen configuration, built and validated from the optimizer's keywords.
+
+Everything here must agree across ranks (it is part of the configuration digest compared before
+the first exchange). ``set_backward_passes_per_step`` replaces the object rather than mutating it.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import torch
+
+from .. import wire
+from ..compat import Compression
+from ..sparsifiers import Sparsifier, make_sparsifier
+
+COST_MODELS = ("time", "bytes", "off")
+NONFINITE = ("raise", "skip", "ignore")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    density: float = 0.01
+    downlink_density: float = 0.01
+    bidirectional: bool = True
+    sparsifier: Sparsifier = None
+    downlink_sparsifier: Sparsifier = None
+    average: bool = True
+    predivide: float = 1.0
+    compression: Any = Compression.none
+    sparse_as_dense: bool = False
+    backward_passes_per_step: int = 1
+    index_coding: str = "plain"
+    momentum_correction: float = 0.0
+    local_clip_norm: Optional[float] = None
+    density_warmup_steps: int = 0
+    dense_warmup_steps: int = 0
+    local_steps: int = 1
+    track_error: bool = True
+    deterministic_dense: bool = True
+    cost_model: str = "time"
+    calibration_steps: int = 3
+    recalibrate_every: int = 0
+    value_dtype: Optional[torch.dtype] = None
+    nonfinite: str = "raise"
+    verify_every: int = 0
+    check_config: bool = True
+
+    def describe(self) -> dict:
+        """The options as plain values, for the cross-rank configuration digest."""
+        out = {}
+        for f in fields(self):
+            if f.name == "compression":
+                continue
+            v = getattr(self, f.name)
+            out[f.name] = v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
+        return out
+
+    @property
+    def value_carrying_wire(self) -> bool:
+        """The wire carries the selected values unchanged (no codec, cast or pre-scaling)."""
+        return (self.compression is Compression.none and self.value_dtype is None
+                and not (self.average and self.predivide != 1.0))
+
+
+def _density(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value <= 1.0):
+        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _nonneg_int(name, value, minimum=0):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _compressor(compression):
+    if compression is None:
+        return Compression.none
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError(f"compression={compression!r} has no compress/decompress; pass one of "
+                        "hvd.Compression.none or hvd.Compression.fp16 or a Compressor class")
+    return compression
+
+
+def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, compression,
+                 sparse_as_dense, density, bidirectional, downlink_density, sparsifier,
+                 threshold, total_steps, min_density, max_density, sparsifier_options,
+                 index_coding, momentum_correction, local_clip_norm, density_warmup_steps,
+                 dense_warmup_steps, local_steps, track_error, deterministic_dense,
+                 dense_fallback, cost_model, calibration_steps, recalibrate_every, value_dtype,
+                 nonfinite, verify_every, check_config) -> EngineConfig:
+    """Validate the keywords of :func:`hvd_sparse.DistributedOptimizer` (clear errors naming
+    the keyword) and freeze them."""
+    from .. import compat
+
+    density = _density("density", density)
+    downlink_density = density if downlink_density is None else _density(
+        "downlink_density", downlink_density)
+    if not isinstance(bidirectional, bool):
+        raise TypeError(f"bidirectional must be True or False, got {bidirectional!r}")
+    op = compat.Average if op is None else op
+    if op == compat.Adasum:
+        raise ValueError("op=Adasum is not supported by hvd_sparse.DistributedOptimizer: Adasum "
+                         "combines whole gradients pairwise and has no sparse form; use "
+                         "op=hvd.Average or op=hvd.Sum, or horovod.torch.DistributedOptimizer")
+    if op != compat.Average and op != compat.Sum:
+        raise ValueError(f"op={op!r} is not supported; use hvd.Average or hvd.Sum")
+    average = op == compat.Average
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(
+            gradient_predivide_factor, (int, float)) or gradient_predivide_factor <= 0:
+        raise ValueError("gradient_predivide_factor must be a positive number, "
+                         f"got {gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and not average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if not isinstance(sparse_as_dense, bool):
+        raise TypeError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
+    method_options = dict(sparsifier_options or {})
+    for key, value in (("threshold", threshold), ("total_steps", total_steps),
+                       ("min_density", min_density), ("max_density", max_density)):
+        if value is not None:
+            method_options[key] = value
+    up = make_sparsifier(sparsifier, **method_options)
+    # The downlink gets its own instance: a stateful method keeps separate state per direction.
+    down = copy.deepcopy(up)
+    if index_coding is None:
+        index_coding = "golomb" if up.constant_value else "plain"
+    if index_coding not in wire.INDEX_CODINGS:
+        raise ValueError(f"index_coding must be one of {wire.INDEX_CODINGS}, got {index_coding!r}")
+    if isinstance(momentum_correction, bool) or not isinstance(momentum_correction, (int, float)) \
+            or not 0.0 <= momentum_correction < 1.0:
+        raise ValueError(f"momentum_correction must be in [0, 1), got {momentum_correction!r}")
+    if local_clip_norm is not None and not (isinstance(local_clip_norm, (int, float))
+                                            and local_clip_norm > 0):
+        raise ValueError(f"local_clip_norm must be a positive number, got {local_clip_norm!r}")
+    _nonneg_int("density_warmup_steps", density_warmup_steps)
+    _nonneg_int("dense_warmup_steps", dense_warmup_steps)
+    _nonneg_int("local_steps", local_steps, 1)
+    if value_dtype is not None and value_dtype not in (torch.float16, torch.bfloat16,
+                                                       torch.float32, torch.float64):
+        raise ValueError(f"value_dtype must be a floating torch dtype, got {value_dtype!r}")
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be 'raise', 'skip' or 'ignore', got {nonfinite!r}")
+    _nonneg_int("verify_every", verify_every)
+    if local_steps > 1 and backward_passes_per_step != 1:
+        raise ValueError("local_steps > 1 (communication delay) and backward_passes_per_step > 1 "
+                         "cannot be combined")
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
+    if not dense_fallback:
+        cost_model = "off"
+    _nonneg_int("calibration_steps", calibration_steps, 1)
+    _nonneg_int("recalibrate_every", recalibrate_every)
+    return EngineConfig(
+        density=density, downlink_density=downlink_density, bidirectional=bidirectional,
+        sparsifier=up, downlink_sparsifier=down, average=average,
+        predivide=float(gradient_predivide_factor), compression=_compressor(compression),
+        sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
+        index_coding=index_coding, momentum_correction=float(momentum_correction),
+        local_clip_norm=local_clip_norm, density_warmup_steps=density_warmup_steps,
+        dense_warmup_steps=dense_warmup_steps, local_steps=local_steps,
+        track_error=bool(track_error), deterministic_dense=bool(deterministic_dense),
+        cost_model=cost_model, calibration_steps=calibration_steps,
+        recalibrate_every=recalibrate_every, value_dtype=value_dtype, nonfinite=nonfinite,
+        verify_every=verify_every, check_config=bool(check_config))

@@ -1,0 +1,711 @@
+"""The exchange engine: one bucket's trip through the sparse pipeline, in data-flow order.
+
+    uplink (when a bucket's gradients are ready)
+      gradient   read p.grad where it lies (a flat buffer only for multi-parameter buckets)
+      select     one read-only scan of acc = grad + residual: candidates, NaN/Inf, energy
+      encode     header | indices | values, one payload per bucket
+      collective allgather, named from the bucket; the residual is not written yet
+    finish (from synchronize / step)
+      wait, decode     P payloads in rank order; a NaN flag from any rank stops here, with
+                       every residual exactly as it was
+      commit uplink    residual = acc, minus what was sent (one pass)
+      aggregate        payloads scattered, in rank order, straight into the downlink residual
+      downlink select  one read-only scan of it, then the selected entries taken out
+      write            p.grad = zero-fill + scatter of the selected entries
+
+Front ends (the Horovod facade in :mod:`hvd_sparse.optimizer`, :mod:`hvd_sparse.mpi`) hand it
+ready buckets and call :meth:`Engine.finish`; they never touch its state directly.
+:meth:`Engine.view` is the read-only window for tests, benchmarks and users.
+"""
+from __future__ import annotations
+
+import warnings
+from types import MappingProxyType
+from typing import Dict, List, NamedTuple, Optional
+
+import torch
+
+from .. import aggregation, costmodel, kernels, safety, wire
+from ..dgc import clip_local, warmup_density
+from ..kernels import select as fused
+from ..sparsifiers import SelectionContext
+from ..stats import CommunicationStats
+from . import calibration
+from .config import EngineConfig
+from .stages import StageClock
+from .state import BucketState, InFlight
+
+STATE_FORMAT = 1
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+class BucketView(NamedTuple):
+    """A read-only snapshot of one bucket (tensors are copies)."""
+
+    name: str
+    numel: int
+    dtype: torch.dtype
+    index_dtype: torch.dtype
+    sparse: bool
+    mode: str
+    parameters: tuple
+    uplink: Optional[torch.Tensor]
+    downlink: Optional[torch.Tensor]
+    velocity: Optional[torch.Tensor]
+
+
+class Engine:
+    """Per-bucket sparse exchange with error feedback in both directions (see module doc)."""
+
+    def __init__(self, config: EngineConfig, buckets, transport):
+        self.config = config
+        self.buckets = list(buckets)
+        self.transport = transport
+        # Backward produces gradients last layer first: launching in that order lets an
+        # order-matched transport start early buckets while backward is still running.
+        self.launch_order = list(reversed(self.buckets))
+        self.state: Dict[int, BucketState] = {
+            b.index: BucketState.for_bucket(b, config.momentum_correction) for b in self.buckets}
+        self.inflight: Dict[int, InFlight] = {}
+        self.steps = 0
+        self.local_count = 0
+        self.stats = CommunicationStats()
+        self.clock = StageClock()
+        self.link: Optional[costmodel.Link] = None
+        self.calibrated_at: Optional[int] = None
+        self._measured: Dict[int, float] = {}  # per bucket: least sparse compute seen
+        self._wire_bytes: Dict[int, int] = {}  # per bucket: largest payload seen
+        self.config_checked = not config.check_config
+        self.skip_step = False
+        self._snapshots = {}  # general path + nonfinite="skip": residuals before this step
+        self._local_nonfinite: List[str] = []
+
+    # ----------------------------------------------------------------- small helpers
+    def _ctx(self, b, direction):
+        return SelectionContext(bucket=b.name, step=self.steps, rank=self.transport.rank(),
+                                direction=direction)
+
+    def densities(self):
+        c = self.config
+        return (warmup_density(self.steps, c.density, c.density_warmup_steps),
+                warmup_density(self.steps, c.downlink_density, c.density_warmup_steps))
+
+    def describe(self) -> dict:
+        """What must be the same on every rank (compared before the first exchange)."""
+        c = self.config
+        return {
+            "world_size": self.transport.size(),
+            "buckets": [{"name": b.name, "numel": b.numel, "dtype": str(b.dtype),
+                         "sparse": b.sparse, "params": [
+                             [n, list(p.shape), str(p.dtype), list(sl)]
+                             for n, p, sl in zip(b.names, b.params, b.slices)]}
+                        for b in self.buckets],
+            "options": c.describe(),
+            "compression": getattr(c.compression, "__name__", type(c.compression).__name__),
+        }
+
+    def view(self) -> "MappingProxyType[str, BucketView]":
+        """Read-only snapshot of every bucket's state, by bucket name."""
+        def copy(t):
+            return None if t is None else t.detach().clone()
+
+        out = {}
+        for b in self.buckets:
+            st = self.state[b.index]
+            out[b.name] = BucketView(
+                b.name, b.numel, b.dtype, b.index_dtype, b.sparse,
+                st.mode if b.sparse else "dense", tuple(b.names), copy(st.uplink.buffer),
+                copy(st.downlink.buffer), copy(st.velocity.velocity if st.velocity else None))
+        return MappingProxyType(out)
+
+    # ----------------------------------------------------------------- uplink
+    def gradient(self, b):
+        """The bucket's gradient as one flat vector, read where it lies: a view of ``p.grad``
+        for a single-parameter bucket, a reused buffer otherwise; zeros where a parameter has
+        no gradient (as Horovod does). Returns (flat, ids of sparse-gradient parameters)."""
+        sparse_ids = set()
+        parts = []
+        for p, name, (lo, hi) in zip(b.params, b.names, b.slices):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            g = p.grad
+            if not g.dtype.is_floating_point:
+                raise TypeError(f"parameter '{name}' has a gradient of dtype {g.dtype}; "
+                                "hvd_sparse sparsifies floating-point gradients only")
+            if g.is_sparse:
+                # sent as the dense vector it stands for and handed back sparse (Horovod's
+                # sparse_as_dense), since selection needs the dense values
+                sparse_ids.add(id(p))
+                g = g.to_dense()
+            elif not g.is_contiguous():
+                p.grad = g = g.contiguous()
+            parts.append(g.reshape(-1)[lo:hi])
+        if len(parts) == 1:
+            flat = parts[0]
+        else:
+            flat = self.state[b.index].flat_buffer(b.numel, parts[0].dtype, parts[0].device)
+            torch.cat(parts, out=flat)
+        return flat, frozenset(sparse_ids)
+
+    def mode(self, b) -> Optional[str]:
+        """How a bucket goes dense this step: ``None`` (it does not), ``"gather"`` or
+        ``"reduce"``. A dense exchange is an allreduce, except with ``deterministic_dense`` at 3
+        or more ranks, where the summation order of an allreduce can change between runs: then
+        an allgather and a sum in rank order."""
+        c = self.config
+        size = self.transport.size()
+        dense = "gather" if (c.deterministic_dense and size > 2) else "reduce"
+        if not b.sparse or self.steps < c.dense_warmup_steps:
+            return dense
+        if c.cost_model == "time":
+            return dense if self.state[b.index].mode == "dense" else None
+        if c.cost_model == "bytes":
+            up, _ = self.densities()
+            k = c.sparsifier.target_count(b.numel, up, self._ctx(b, "up"))
+            if k is not None and costmodel.prefer_dense(
+                    b.numel, k, size, _itemsize(b.index_dtype),
+                    _itemsize(c.value_dtype or b.dtype), _itemsize(b.dtype),
+                    dense_by="gather" if dense == "gather" else "ring"):
+                return dense
+        return None
+
+    def launch(self, b, flat=None, sparse_ids=frozenset()):
+        """Run a bucket's uplink and start its collective (``flat``: given by the
+        communication-delay path; otherwise the gradients are read)."""
+        c = self.config
+        if not self.config_checked:
+            self.config_checked = True
+            safety.check_same_config(self.transport, self.describe())
+        if flat is None:
+            flat, sparse_ids = self.gradient(b)
+        name = f"hvd_sparse.{b.index}.{b.name}"
+        if c.local_clip_norm is not None:
+            flat = clip_local(flat, c.local_clip_norm, self.transport.size())
+        dense_mode = self.mode(b)
+        if dense_mode:
+            with self.clock.stage("dense"):
+                self._launch_dense(b, flat, sparse_ids, name, dense_mode)
+            return
+        st = self.state[b.index]
+        up_density, _ = self.densities()
+        ctx = self._ctx(b, "up")
+        sparsifier = c.sparsifier
+        target = sparsifier.target_count(b.numel, up_density, ctx)
+        residual = st.uplink.ensure(flat)
+        sel = None
+        with self.clock.stage("uplink_select", b.index):
+            if st.velocity is None:
+                ops = kernels.ops_for(residual) if flat.dtype == residual.dtype \
+                    else kernels.reference
+                sel = sparsifier.fused(ops, flat, residual, up_density, ctx)
+                if sel is not None and sel.nonfinite and c.nonfinite == "ignore":
+                    sel = None  # NaN/Inf flow on, as the plain path lets them
+        if sel is not None and sel.nonfinite:
+            self._send_nonfinite(b, flat, name, sparse_ids, residual)
+            return
+        if sel is None:
+            self._launch_plain(b, flat, sparse_ids, name, target)
+            return
+        with self.clock.stage("encode", b.index):
+            wire_values, sent, ctx_codec = self._to_wire(b, sel.values)
+            commit = (ops, flat, sel, sent)
+        self._send(b, name, sel.idx, wire_values, ctx_codec, sparse_ids, target, None, commit)
+
+    def _to_wire(self, b, values):
+        """(values as the wire carries them, the same as the receiver will read them, codec
+        context). With no codec, cast or pre-scaling the three are the selected values."""
+        c = self.config
+        if c.value_carrying_wire and values.dtype == b.dtype:
+            return values, values, None
+        scaled = values.to(c.value_dtype or b.dtype)
+        if c.average and c.predivide != 1.0:
+            scaled = scaled * (1.0 / c.predivide)
+        wire_values, ctx = c.compression.compress(scaled)
+        sent = c.compression.decompress(wire_values, ctx).to(values.dtype)
+        if c.average and c.predivide != 1.0:
+            sent = sent * c.predivide
+        return wire_values, sent, ctx
+
+    @staticmethod
+    def _uplink_error(sel, sent):
+        """||residual||^2 after this step's commit, from the scan's energy (sum of acc^2) and
+        the selected entries alone; ``None`` when the backend's scan gave no energy."""
+        if sel.energy is None:
+            return None
+        a = sel.acc_values.double()
+        left = float((a - sent.double()).pow(2).sum()) if sent is not sel.acc_values else 0.0
+        return torch.tensor(max(sel.energy - float(a.pow(2).sum()) + left, 0.0),
+                            dtype=torch.float64)
+
+    def _send_nonfinite(self, b, flat, name, sparse_ids, residual):
+        """Keep NaN/Inf out of the residual; tell every rank through the payload's flag."""
+        c = self.config
+        self._local_nonfinite += [n for n, p in zip(b.names, b.params)
+                                  if p.grad is not None and not bool(
+                                      torch.isfinite(p.grad.to_dense() if p.grad.is_sparse
+                                                     else p.grad).all())]
+        empty, ctx = c.compression.compress(flat[:0].to(c.value_dtype or b.dtype))
+        self._send(b, name, torch.empty(0, dtype=torch.int64, device=flat.device), empty, ctx,
+                   sparse_ids, 0, None, None, nonfinite=True)
+
+    def _launch_plain(self, b, flat, sparse_ids, name, target):
+        """Methods without a fused form, momentum correction, and NaN under "ignore": the
+        sparsifier's torch definition on the accumulated residual, written at once."""
+        c = self.config
+        st = self.state[b.index]
+        with self.clock.stage("uplink_select", b.index):
+            if c.nonfinite != "ignore" and not bool(torch.isfinite(flat).all()):
+                residual = st.uplink.ensure(flat)
+                self._send_nonfinite(b, flat, name, sparse_ids, residual)
+                return
+            if c.nonfinite == "skip":
+                self._snapshots[b.index] = (st.uplink.state(),
+                                            st.velocity.state() if st.velocity else None)
+            up_density, _ = self.densities()
+            acc = st.uplink.accumulate(st.velocity.apply(flat) if st.velocity else flat)
+            idx, values = c.sparsifier.compress(acc, up_density, self._ctx(b, "up"))
+        with self.clock.stage("encode", b.index):
+            wire_values, sent, ctx = self._to_wire(b, values)
+            st.uplink.settle(idx, sent)  # what the wire lost (selection, rounding) stays
+            if st.velocity:
+                st.velocity.mask(idx)
+            error = st.uplink.energy() if c.track_error else None
+        self._send(b, name, idx, wire_values, ctx, sparse_ids, target, error, None)
+
+    def _send(self, b, name, idx, wire_values, ctx, sparse_ids, target, error, commit,
+              nonfinite=False):
+        c = self.config
+        with self.clock.stage("encode", b.index):
+            payload = wire.encode(idx, wire_values, index_dtype=b.index_dtype, tag=b.tag,
+                                  numel=b.numel, index_coding=c.index_coding,
+                                  constant=c.sparsifier.constant_value, nonfinite=nonfinite)
+        handle = self.transport.allgather_async(payload, name)
+        self.inflight[b.index] = InFlight("sparse", handle, ctx, payload.numel(), sparse_ids,
+                                          idx.numel(), target, error, commit)
+
+    def _launch_dense(self, b, flat, sparse_ids, name, dense_mode):
+        c = self.config
+        st = self.state[b.index]
+        if b.sparse:  # dense warm-start or fallback: flush what error feedback holds
+            source = st.velocity.apply(flat) if st.velocity else flat
+            if st.uplink.buffer is not None:
+                flat = st.uplink.accumulate(source).clone()
+                st.uplink.buffer.zero_()
+            else:
+                flat = source.clone()
+            if st.velocity:
+                st.velocity.velocity.zero_()
+        elif dense_mode == "reduce" and flat.data_ptr() in {
+                p.grad.data_ptr() for p in b.params if p.grad is not None}:
+            flat = flat.clone()  # the allreduce works in place: keep p.grad for the write
+        wire_t, ctx = c.compression.compress(flat)
+        nbytes = wire_t.numel() * wire_t.element_size()
+        if dense_mode == "gather":  # rank-order sum of gathered vectors: same bits every run
+            handle = self.transport.allgather_async(wire_t, name)
+            kind = "dense_gather"
+        else:
+            prescale, postscale = (1.0 / c.predivide, c.predivide) if c.average else (1.0, 1.0)
+            handle = self.transport.allreduce_async(
+                wire_t, name, average=c.average, prescale=prescale, postscale=postscale)
+            kind = "dense"
+        self.inflight[b.index] = InFlight(kind, handle, ctx, nbytes, sparse_ids, b.numel, None)
+
+    # ----------------------------------------------------------------- finish
+    def finish(self, write: str = "grads") -> None:
+        """Launch what is not in flight, finish every bucket, and write the result: into
+        ``p.grad`` (``"grads"``) or as the averaged weight change (``"delta"``)."""
+        for b in self.launch_order:
+            if b.index not in self.inflight:
+                self.launch(b)
+        try:
+            received, bad = {}, {}
+            for b in self.buckets:
+                received[b.index], bad_ranks = self._receive(b)
+                if bad_ranks:
+                    bad[b.name] = bad_ranks
+            if bad:
+                self._nonfinite(bad)
+            else:
+                for b in self.buckets:
+                    self._commit_uplink(b)
+                    self._apply(b, received[b.index], write)
+        finally:
+            self.inflight.clear()
+            self._snapshots.clear()
+            self._local_nonfinite = []
+        self._end_step()
+
+    def _receive(self, b):
+        """Wait for a bucket's exchange and decode it; returns (payloads or dense result,
+        received bytes), bad ranks. Nothing is written yet, so a flag can still cancel."""
+        c = self.config
+        job = self.inflight[b.index]
+        size = self.transport.size()
+        with self.clock.stage("collective_wait"):
+            received = self.transport.wait(job.handle)
+        if job.kind == "sparse":
+            with self.clock.stage("decode", b.index):
+                payloads = wire.decode_all(received, size, tag=b.tag, numel=b.numel,
+                                           bucket=b.name)
+                bad = [r for r, p in enumerate(payloads) if p.nonfinite]
+            return (payloads, received.numel()), bad
+        with self.clock.stage("dense"):
+            acc_dtype = aggregation.accumulation_dtype(b.dtype)
+            if job.kind == "dense_gather":
+                parts = received.view(size, -1)
+                out = c.compression.decompress(parts[0], job.ctx).to(acc_dtype).clone()
+                for r in range(1, size):  # rank order, never a reduction tree
+                    out.add_(c.compression.decompress(parts[r], job.ctx).to(acc_dtype))
+                if c.average and size != 1:
+                    out.mul_(1.0 / size)
+                received_bytes = (size - 1) * job.nbytes
+            else:
+                out = c.compression.decompress(received, job.ctx)
+                received_bytes = job.nbytes
+            bad = ([-1] if not bool(torch.isfinite(out).all()) else []) \
+                if c.nonfinite != "ignore" else []
+        return (out, received_bytes), bad
+
+    def _commit_uplink(self, b):
+        job = self.inflight[b.index]
+        if job.commit is not None:
+            with self.clock.stage("uplink_commit", b.index):
+                ops, flat, sel, sent = job.commit
+                residual = self.state[b.index].uplink
+                fused.commit(ops, flat, residual.buffer, sel, sent)
+                if self.config.track_error:
+                    job.error = self._uplink_error(sel, sent)
+                    if job.error is None:  # the backend's scan measured no energy
+                        job.error = residual.energy()
+
+    def _apply(self, b, received, write):
+        c = self.config
+        job = self.inflight[b.index]
+        st = self.state[b.index]
+        if job.kind != "sparse":
+            with self.clock.stage("dense"):
+                out, received_bytes = received
+                if b.sparse and c.bidirectional and st.downlink.buffer is not None:
+                    # dense warm-start or fallback: flush the downlink residual too
+                    out = st.downlink.accumulate(out.to(st.downlink.dtype)).clone()
+                    st.downlink.buffer.zero_()
+                self.stats.record(b.name, sent=job.nbytes, received=received_bytes,
+                                  dense=b.nbytes, selected=b.numel, numel=b.numel,
+                                  target=b.numel)
+                self._write_dense(b, out, job.sparse_grads, write)
+            return
+        payloads, gathered_bytes = received
+        size = self.transport.size()
+        scale = (c.predivide / size) if c.average else 1.0
+        with self.clock.stage("aggregate", b.index):
+            for p in payloads:
+                p.values = c.compression.decompress(p.values, job.ctx)
+            if c.sparsifier.observes or c.downlink_sparsifier.observes:
+                support = _sparse_sum(payloads, scale, st.downlink.dtype)
+                c.sparsifier.observe(support, self._ctx(b, "up"))
+                c.downlink_sparsifier.observe(support, self._ctx(b, "down"))
+            if c.bidirectional:
+                device = b.params[0].device
+                residual = st.downlink.ensure(torch.empty(0, device=device))
+                _scatter_add(residual, payloads, scale)
+            else:
+                device = b.params[0].device
+                dense = st.flat_buffer(b.numel, st.downlink.dtype, device)
+                dense.zero_()
+                _scatter_add(dense, payloads, scale)
+        if c.bidirectional:
+            _, down_density = self.densities()
+            ctx = self._ctx(b, "down")
+            with self.clock.stage("downlink_select", b.index):
+                ops = kernels.ops_for(residual)
+                sel = c.downlink_sparsifier.fused(ops, None, residual, down_density, ctx)
+                if sel is not None and not sel.nonfinite:
+                    fused.commit(ops, None, residual, sel, sel.values)
+                    idx, values = sel.idx, sel.values
+                else:
+                    idx, values = c.downlink_sparsifier.compress(residual, down_density, ctx)
+                    st.downlink.settle(idx, values)
+            with self.clock.stage("write", b.index):
+                self._write_sparse(b, idx, values, job.sparse_grads, write)
+            down_selected = idx.numel()
+        else:
+            with self.clock.stage("write", b.index):
+                self._write_dense(b, dense, job.sparse_grads, write)
+            down_selected = None
+        self.stats.record(b.name, sent=job.nbytes, received=gathered_bytes - job.nbytes,
+                          dense=b.nbytes, selected=job.selected, numel=b.numel,
+                          target=job.target, error=job.error, downlink_selected=down_selected)
+        self._wire_bytes[b.index] = max(self._wire_bytes.get(b.index, 0), gathered_bytes)
+
+    # ----------------------------------------------------------------- write
+    def _write_sparse(self, b, idx, values, sparse_ids, write):
+        """``p.grad`` = zeros with the selected entries (no intermediate dense vector)."""
+        if write == "delta":
+            update = torch.zeros(b.numel, dtype=values.dtype, device=values.device)
+            update[idx] = values
+            return self._write_delta(b, update)
+        single = len(b.params) == 1
+        for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+            if single:
+                sub_idx, sub_val = idx, values
+            else:
+                bounds = torch.tensor([off, off + hi - lo], dtype=idx.dtype, device=idx.device)
+                a, e = torch.searchsorted(idx, bounds).tolist()
+                sub_idx, sub_val = idx[a:e] - off, values[a:e]
+            whole = (lo, hi) == (0, p.numel())
+            if id(p) in sparse_ids:  # handed back sparse, as Horovod's sparse_as_dense does
+                dense = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                flat = dense.reshape(-1)
+                flat[lo:hi] = 0
+                flat[lo + sub_idx] = sub_val.to(p.dtype)
+                p.grad = dense.to_sparse()
+                continue
+            flat = p.grad.view(-1)
+            if whole:
+                flat.zero_()
+                flat[sub_idx] = sub_val.to(p.dtype)
+            else:
+                flat[lo:hi].zero_()
+                flat[lo + sub_idx] = sub_val.to(p.dtype)
+
+    def _write_dense(self, b, out, sparse_ids, write):
+        if write == "delta":
+            return self._write_delta(b, out)
+        for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+            seg = out[off:off + hi - lo].to(p.dtype)
+            if id(p) in sparse_ids:
+                dense = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                dense.reshape(-1)[lo:hi] = seg
+                p.grad = dense.to_sparse()
+            else:
+                if not p.grad.is_contiguous():
+                    p.grad = p.grad.contiguous()
+                p.grad.view(-1)[lo:hi].copy_(seg)
+
+    # ----------------------------------------------------------------- communication delay
+    def flat_params(self, b):
+        return torch.cat([p.detach().reshape(-1)[lo:hi] for p, (lo, hi) in
+                          zip(b.params, b.slices)]).to(aggregation.accumulation_dtype(b.dtype))
+
+    def local_step_done(self) -> bool:
+        """Count a local step; True when it is time to exchange the weight change."""
+        self.local_count += 1
+        return self.local_count % self.config.local_steps == 0
+
+    def ensure_anchors(self):
+        for b in self.buckets:
+            st = self.state[b.index]
+            if st.anchor is None:
+                st.anchor = self.flat_params(b)
+
+    def exchange_deltas(self):
+        """Every bucket's change since the last exchange, sparsified with error feedback and
+        averaged like a gradient; all ranks restart from ``anchor + averaged change``."""
+        for b in self.launch_order:
+            self.launch(b, self.flat_params(b) - self.state[b.index].anchor)
+        self.finish("delta")
+
+    def _write_delta(self, b, out):
+        st = self.state[b.index]
+        new = st.anchor + out.to(st.anchor.dtype)
+        st.anchor = new
+        with torch.no_grad():
+            for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+                p.view(-1)[lo:hi].copy_(new[off:off + hi - lo])
+
+    # ----------------------------------------------------------------- non-finite
+    def _nonfinite(self, bad: dict) -> None:
+        """Some rank's gradient held NaN/Inf: raise, or skip the step, the same on every rank.
+        Fused buckets never wrote their residuals; plain-path ones are rolled back."""
+        where = "; ".join(f"bucket '{name}' on rank(s) {ranks}" if ranks != [-1]
+                          else f"bucket '{name}' (after the allreduce)"
+                          for name, ranks in bad.items())
+        mine = f" (this rank: {', '.join(self._local_nonfinite)})" \
+            if self._local_nonfinite else ""
+        for index, (res, vel) in self._snapshots.items():
+            st = self.state[index]
+            st.uplink.load(res)
+            if st.velocity is not None:
+                st.velocity.load(vel)
+        if self.config.nonfinite == "raise":
+            raise safety.NonFiniteGradientError(
+                f"non-finite gradient at step {self.steps}: {where}{mine}. Nothing of it "
+                "entered the residuals on any rank. Pass nonfinite='skip' to skip such steps "
+                "on all ranks instead (as a loss scaler does).")
+        for b in self.buckets:
+            for p in b.params:
+                if p.grad is not None:
+                    p.grad = torch.zeros_like(p) if p.grad.is_sparse else p.grad.zero_()
+        self.skip_step = True
+        self.stats.skipped += 1
+        warnings.warn(f"skipping step {self.steps} on every rank: non-finite gradient in "
+                      f"{where}{mine}")
+
+    # ----------------------------------------------------------------- end of step
+    def _end_step(self):
+        c = self.config
+        for index, dt in self.clock.bucket_compute.items():
+            if self.steps >= 1 or c.calibration_steps == 1:  # step 0 pays compilation
+                self._measured[index] = min(self._measured.get(index, dt), dt)
+        self.stats.end_step()
+        self.clock.end_step()
+        self.steps += 1
+        if c.cost_model == "time" and self.transport.size() > 1 and (
+                self.steps == c.dense_warmup_steps + c.calibration_steps
+                or (c.recalibrate_every and self.calibrated_at is not None
+                    and self.steps - self.calibrated_at >= c.recalibrate_every)):
+            self.calibrate()
+        if c.verify_every and self.steps % c.verify_every == 0:
+            named = list({n: p for b in self.buckets
+                          for n, p in zip(b.names, b.params)}.items())
+            named += [(f"downlink residual of bucket '{b.name}'", self.state[b.index]
+                       .downlink.buffer) for b in self.buckets
+                      if self.state[b.index].downlink.buffer is not None]
+            safety.verify_replicas(self.transport, named, self.steps)
+
+    def calibrate(self) -> None:
+        """Time the link, agree on every measurement (maximum over ranks), then choose sparse or
+        dense per bucket from time: own compute + allgather against a dense allreduce."""
+        c = self.config
+        size = self.transport.size()
+        device = self.buckets[0].params[0].device if self.buckets else "cpu"
+        sparse = [b for b in self.buckets if b.sparse]
+        local = calibration.measure_link(self.transport, device)
+        local += [self._measured.get(b.index, 0.0) for b in sparse]
+        local += [float(self._wire_bytes.get(b.index, 0)) for b in sparse]
+        agreed = calibration.agree_max(self.transport, local)
+        self.link = calibration.link_from(agreed[:4], size)
+        compute = agreed[4:4 + len(sparse)]
+        gathered = agreed[4 + len(sparse):]
+        by = "gather" if (c.deterministic_dense and size > 2) else "reduce"
+        for b, cs, nbytes in zip(sparse, compute, gathered):
+            st = self.state[b.index]
+            if nbytes <= 0:  # never went sparse: no measurement, keep the current choice
+                continue
+            t_sparse = costmodel.sparse_time(cs, nbytes, self.link)
+            t_dense = costmodel.dense_time(b.nbytes, size, self.link, by)
+            st.mode = "dense" if t_dense < t_sparse else "sparse"
+            st.costs = {"sparse_s": t_sparse, "dense_s": t_dense, "compute_s": cs,
+                        "gathered_bytes": nbytes}
+        self.calibrated_at = self.steps
+
+    def cost_report(self) -> dict:
+        """The cost model's inputs and choices (part of ``communication_stats()``)."""
+        return {"rule": self.config.cost_model, "calibrated_at_step": self.calibrated_at,
+                "link": self.link.as_dict() if self.link else None,
+                "buckets": {b.name: dict(self.state[b.index].costs,
+                                         mode=self.state[b.index].mode)
+                            for b in self.buckets if b.sparse}}
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        t = self.transport
+        return {
+            "format": STATE_FORMAT,
+            "world_size": t.size(),
+            "rank": t.rank(),
+            "steps": self.steps,
+            "local_count": self.local_count,
+            "buckets": {b.name: {"numel": b.numel,
+                                 "uplink": self.state[b.index].uplink.state(),
+                                 "downlink": self.state[b.index].downlink.state(),
+                                 "velocity": (self.state[b.index].velocity.state()
+                                              if self.state[b.index].velocity else None),
+                                 "mode": self.state[b.index].mode}
+                        for b in self.buckets if b.sparse},
+            "anchors": {b.name: self.state[b.index].anchor.clone()
+                        for b in self.buckets if self.state[b.index].anchor is not None},
+            "sparsifier": self.config.sparsifier.state_dict(),
+            "downlink_sparsifier": self.config.downlink_sparsifier.state_dict(),
+            "stats": self.stats.state_dict(),
+            "calibrated_at": self.calibrated_at,
+        }
+
+    def load_state_dict(self, extra: dict) -> None:
+        """Restore the engine's state. The rule for a state saved elsewhere:
+
+        * saved by this rank in a job of the same size: everything is restored exactly;
+        * saved by another rank, or by a job of another size (a rank-0 checkpoint loaded on all
+          ranks, ``broadcast_optimizer_state``, ``hvd.elastic`` sync after workers came or went):
+          the replicated parts (downlink residuals, counters, sparsifier state, cost-model
+          choices) are restored and this rank keeps its *own* uplink residuals as they are in
+          memory (zeros in a fresh process). The uplink residual of a rank that is gone (a
+          departed elastic worker) is lost: its unsent gradient mass is dropped, a bounded loss
+          of small entries.
+        """
+        t = self.transport
+        if extra.get("format") != STATE_FORMAT:
+            raise ValueError(f"hvd_sparse state has format {extra.get('format')}, "
+                             f"this version reads {STATE_FORMAT}")
+        saved = extra["buckets"]
+        mine = {b.name: b for b in self.buckets if b.sparse}
+        if set(saved) != set(mine):
+            raise ValueError("the checkpoint's sparse buckets differ from this optimizer's: "
+                             f"missing {sorted(set(mine) - set(saved))}, "
+                             f"unexpected {sorted(set(saved) - set(mine))}")
+        for bname, b in mine.items():
+            if saved[bname]["numel"] != b.numel:
+                raise ValueError(f"bucket '{bname}' has {saved[bname]['numel']} entries in the "
+                                 f"checkpoint and {b.numel} here")
+        own = extra["rank"] == t.rank() and extra["world_size"] == t.size()
+        fresh = all(self.state[b.index].uplink.buffer is None for b in mine.values())
+        if not own and fresh and any(v["uplink"] is not None for v in saved.values()):
+            warnings.warn(
+                f"hvd_sparse state from rank {extra['rank']} of {extra['world_size']} loaded on "
+                f"rank {t.rank()} of {t.size()}: downlink residuals and counters restored; this "
+                "rank's uplink residuals start from zero (save one state dict per rank to keep "
+                "them)")
+        for bname, b in mine.items():
+            st = self.state[b.index]
+            st.downlink.load(saved[bname]["downlink"])
+            st.mode = saved[bname].get("mode", "sparse")
+            if own:
+                st.uplink.load(saved[bname]["uplink"])
+                if st.velocity is not None:
+                    st.velocity.load(saved[bname].get("velocity"))
+        anchors = extra.get("anchors", {})
+        for b in self.buckets:
+            a = anchors.get(b.name)
+            self.state[b.index].anchor = None if a is None else a.clone()
+        self.local_count = int(extra.get("local_count", 0))
+        self.config.sparsifier.load_state_dict(extra.get("sparsifier", {}))
+        self.config.downlink_sparsifier.load_state_dict(extra.get("downlink_sparsifier", {}))
+        self.steps = int(extra.get("steps", 0))
+        self.calibrated_at = extra.get("calibrated_at")
+        self.stats.load_state_dict(extra.get("stats", {}))
+
+    def reset_round(self):
+        self.inflight.clear()
+        self._snapshots.clear()
+
+
+def _scatter_add(target: torch.Tensor, payloads, scale: float) -> None:
+    """``target[idx_r] += scale * val_r`` for r in rank order (indices unique per payload, so
+    each call is deterministic on every backend, and so is the sequence)."""
+    for p in payloads:
+        if p.indices.numel():
+            vals = p.values.to(device=target.device, dtype=target.dtype)
+            if scale != 1.0:
+                vals = vals * scale
+            target.index_add_(0, p.indices.to(target.device), vals)
+
+
+def _sparse_sum(payloads, scale: float, dtype) -> torch.Tensor:
+    """The aggregate's values on the union of the payloads' positions, summed in rank order."""
+    nonempty = [p for p in payloads if p.indices.numel()]
+    if not nonempty:
+        return torch.zeros(0, dtype=dtype)
+    device = nonempty[0].indices.device
+    union, inverse = torch.unique(torch.cat([p.indices.to(device) for p in nonempty]),
+                                  return_inverse=True)
+    out = torch.zeros(union.numel(), dtype=dtype, device=device)
+    start = 0
+    for p in nonempty:
+        m = p.indices.numel()
+        vals = p.values.to(device=device, dtype=dtype)
+        out.index_add_(0, inverse[start:start + m], vals * scale if scale != 1.0 else vals)
+        start += m
+    return out

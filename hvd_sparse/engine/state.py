@@ -1,0 +1,54 @@
+"""What the engine keeps per bucket between steps, and what it keeps while a bucket is in flight."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..aggregation import accumulation_dtype
+from ..dgc import MomentumCorrection
+from ..feedback import Residual
+
+
+@dataclass
+class BucketState:
+    """One bucket's memory: residuals (uplink: this rank's; downlink: replicated), the
+    momentum-correction velocity, the communication-delay anchor, and the cost model's choice."""
+
+    uplink: Residual
+    downlink: Residual
+    velocity: Optional[MomentumCorrection] = None
+    anchor: Optional[torch.Tensor] = None
+    mode: str = "sparse"  # the cost model's choice for a sparse-capable bucket: sparse or dense
+    scratch: Optional[torch.Tensor] = None  # reused flat buffer (multi-parameter gradients)
+    costs: Dict[str, float] = field(default_factory=dict)  # the last decision's inputs
+
+    @classmethod
+    def for_bucket(cls, b, momentum_correction: float) -> "BucketState":
+        dtype = accumulation_dtype(b.dtype)
+        return cls(Residual(b.numel, dtype), Residual(b.numel, dtype),
+                   MomentumCorrection(momentum_correction) if momentum_correction else None)
+
+    def flat_buffer(self, numel, dtype, device) -> torch.Tensor:
+        """A flat buffer kept across steps (no full-size allocation per step)."""
+        s = self.scratch
+        if s is None or s.dtype != dtype or s.device != device or s.numel() != numel:
+            self.scratch = s = torch.empty(numel, dtype=dtype, device=device)
+        return s
+
+
+@dataclass
+class InFlight:
+    """A bucket whose exchange has been launched and not yet finished."""
+
+    kind: str  # "sparse" (allgather of payloads), "dense" (allreduce), "dense_gather"
+    handle: Any
+    ctx: Any  # the value codec's context
+    nbytes: int  # this rank's bytes on the wire
+    sparse_grads: frozenset  # ids of parameters whose gradient is handed back sparse
+    selected: int
+    target: Optional[int]
+    error: Optional[torch.Tensor] = None  # ||residual||^2 after selection
+    commit: Any = None  # deferred uplink residual update: (ops, grad, selection, sent)
+    compute_s: float = 0.0  # this rank's time on the bucket's sparse path, this step

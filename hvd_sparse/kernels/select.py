@@ -1,0 +1,228 @@
+"""Selection methods written once over a backend's primitives (numba, CuPy or torch).
+
+Each function looks at ``acc = g + r`` without writing anything and returns a
+:class:`Selection`: the positions, the values to send, and ``acc`` at those positions (so the
+caller can later leave ``acc - sent`` in the residual with :func:`commit`). The plan is the same
+for every method: a threshold from a small fixed sample of ``acc``, one read-only scan that
+counts candidates per cache line and looks for NaN/Inf, one gather of the candidates, and an
+exact decision among them on a short list. Results equal the methods' plain torch definitions
+(``Sparsifier.compress`` on ``acc``) exactly, ties included.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+INF = np.float32(np.inf)
+TINY = np.nextafter(np.float32(0), np.float32(1))  # the smallest positive float32
+
+
+@dataclass
+class Selection:
+    """What a method chose from ``acc``; ``nonfinite`` means ``acc`` held NaN/Inf and nothing
+    was chosen."""
+
+    idx: torch.Tensor  # int64, ascending
+    values: torch.Tensor  # what goes on the wire (before the value codec)
+    acc_values: torch.Tensor  # acc[idx]
+    nonfinite: bool = False
+    passes: int = 1  # scans that counted candidates (GaussianK's corrections)
+    fallback: bool = False  # an exact Top-K decided (GaussianK out of its band)
+    energy: Optional[float] = None  # sum of acc^2 over the whole vector, when the scan gave it
+
+
+def _empty(r, nonfinite=False):
+    e = torch.empty(0, dtype=torch.int64, device=r.device)
+    v = r[:0].clone()
+    return Selection(e, v, v, nonfinite)
+
+
+def sample_positions(n: int) -> Optional[np.ndarray]:
+    """A fixed, cache-friendly sample of a vector of ``n`` entries (64 contiguous blocks), the
+    same on every rank and backend; ``None`` when the vector is too short for one to pay."""
+    blocks, width = 64, max(64, min(4096, n // 256))
+    if blocks * width * 4 >= n:
+        return None
+    starts = (np.arange(blocks, dtype=np.int64) * (n - width)) // (blocks - 1)
+    return (starts[:, None] + np.arange(width)[None, :]).reshape(-1)
+
+
+def sampled_threshold(scores: np.ndarray, n: int, k: int) -> Optional[np.float32]:
+    """A score that about 2.5 k of the ``n`` entries reach, from the sample's ``scores`` (a
+    generous margin over the sample's noise, so one scan usually finds at least k)."""
+    expected = scores.size * k / n
+    rank = int(np.ceil(2.5 * expected + 3.0 * np.sqrt(expected) + 2))
+    if rank >= scores.size:
+        return None
+    t = np.partition(scores, scores.size - rank)[scores.size - rank]
+    # a zero threshold would make every entry a candidate (a sparse aggregate plus a young
+    # residual is mostly zeros): take only non-zeros; too few falls back to the exact path
+    return max(np.float32(t), TINY)
+
+
+def topk(ops, g, r, k: int) -> Selection:
+    """Exact Top-K by magnitude, ties by lowest index."""
+    n = r.numel()
+    if k <= 0:
+        return _empty(r, ops.scan(g, r, INF, INF).nonfinite)
+    if k >= n:
+        s = ops.scan(g, r, -INF, INF)  # every finite entry is a candidate
+        if s.nonfinite:
+            return _empty(r, True)
+        idx, val = ops.gather(g, r, s)
+        return Selection(idx, val, val, energy=s.energy)
+    pos = sample_positions(n)
+    s = None
+    if pos is not None:
+        t = sampled_threshold(np.abs(ops.sample(g, r, pos)), n, k)
+        if t is not None:
+            s = ops.scan(g, r, t, t)
+    if s is None or (s.count < k and not s.nonfinite):  # no sample, or it aimed too high
+        t = ops.kth_magnitude(g, r, k)
+        s = ops.scan(g, r, t, t)
+    if s.nonfinite:
+        return _empty(r, True)
+    cidx, cval = ops.gather(g, r, s)
+    idx, val = ops.pick_topk(cidx, cval, k)
+    return Selection(idx, val, val, energy=s.energy)
+
+
+def threshold(ops, g, r, lam: float) -> Selection:
+    """Every entry with ``|acc| >= lam`` (``lam`` rounded up to the accumulation dtype, so the
+    comparison is exact for any Python float)."""
+    t = _round_up(lam, r.dtype)
+    s = ops.scan(g, r, t, t)
+    if s.nonfinite:
+        return _empty(r, True)
+    idx, val = ops.gather(g, r, s)
+    return Selection(idx, val, val, energy=s.energy)
+
+
+def _round_up(x: float, dtype):
+    if dtype != torch.float32:
+        return x
+    t = np.float32(x)
+    if t < x:
+        t = np.nextafter(t, INF)
+    return t
+
+
+def binary_mean(values: torch.Tensor) -> float:
+    """Mean of ``values`` in float64, summed in one fixed order (numpy's pairwise sum on the
+    host), so every backend and thread count gives the same bits."""
+    if values.numel() == 0:
+        return 0.0
+    return float(np.sum(values.detach().double().cpu().numpy()) / values.numel())
+
+
+def sbc(ops, g, r, k: int) -> Optional[Selection]:
+    """Sparse Binary Compression: the k largest positive or the k largest negative entries,
+    whichever side has the larger mean magnitude, all sent as that one mean.
+
+    Returns ``None`` (take the plain path) when a side has fewer than k candidates above a
+    positive threshold: then the definition's zero entries would join that side.
+    """
+    n = r.numel()
+    pos = sample_positions(n)
+    if pos is None or k <= 0 or 2 * k >= n:
+        return None
+    smp = ops.sample(g, r, pos)
+    t_pos = sampled_threshold(np.maximum(smp, 0), n, k)
+    t_neg = sampled_threshold(np.maximum(-smp, 0), n, k)
+    if t_pos is None or t_neg is None:
+        return None
+    s = ops.scan(g, r, t_pos, t_neg)
+    if s.nonfinite:
+        return _empty(r, True)
+    cidx, cval = ops.gather(g, r, s)
+    up, down = cval >= float(t_pos), cval <= -float(t_neg)
+    if int(up.sum()) < k or int(down.sum()) < k:
+        return None
+    pi, pv = ops.pick_topk(cidx[up], cval[up], k, sign=1)
+    ni, nv = ops.pick_topk(cidx[down], cval[down], k, sign=-1)
+    mean_pos, mean_neg = binary_mean(pv), -binary_mean(nv)
+    idx, accv, mean = (pi, pv, mean_pos) if mean_pos >= mean_neg else (ni, nv, -mean_neg)
+    return Selection(idx, torch.full_like(accv, mean), accv, energy=s.energy)
+
+
+def gaussian_threshold(smp: np.ndarray, n: int, k: int) -> float:
+    """GaussianK's first threshold, ``|mu| + sigma * z(k/n)``, with mu and sigma from the
+    fixed sample (float64, one fixed summation order)."""
+    x = smp.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf: the scan reports them
+        mu = float(np.sum(x) / x.size)
+        sigma = float(np.sqrt(np.sum((x - mu) ** 2) / max(1, x.size - 1)))
+    return abs(mu) + sigma * tail_quantile(k / n)
+
+
+def tail_quantile(frac: float) -> float:
+    """z with P(|N(0,1)| >= z) = frac."""
+    frac = min(max(frac, 1e-12), 1.0)
+    return float(torch.special.ndtri(torch.tensor(1.0 - frac / 2.0, dtype=torch.float64)))
+
+
+def next_gaussian_threshold(t: float, count: int, n: int, k: int) -> Optional[float]:
+    """GaussianK's correction: rescale ``t`` by ``z(k/n) / z(count/n)``; ``None`` when (nearly)
+    every entry is at or above ``t`` (an all-zero or constant vector) and no rescaling helps."""
+    if count == 0:
+        return t * 0.5
+    z_seen = tail_quantile(count / n)
+    if z_seen <= 0 or t == 0.0:
+        return None
+    return t * (tail_quantile(k / n) / z_seen)
+
+
+def gaussiank(ops, g, r, k: int, lo: int, hi: int, max_passes: int) -> Selection:
+    """GaussianK: the threshold of a normal fit, corrected until the count is in [lo, hi];
+    past ``max_passes`` an exact Top-K among the candidates (too many) or overall (too few)."""
+    n = r.numel()
+    if k >= n:
+        return topk(ops, g, r, k)
+    positions = sample_positions(n)
+    if positions is None:
+        positions = np.arange(n, dtype=np.int64)
+    t = gaussian_threshold(ops.sample(g, r, positions), n, k)
+    s, passes = None, 0
+    for passes in range(1, max_passes + 1):
+        t32 = _as_dtype(t, r.dtype)
+        s = ops.scan(g, r, t32, t32)
+        if s.nonfinite:
+            return _empty(r, True)
+        if lo <= s.count <= hi:
+            idx, val = ops.gather(g, r, s)
+            return Selection(idx, val, val, passes=passes, energy=s.energy)
+        nxt = next_gaussian_threshold(float(t32), s.count, n, k)
+        if nxt is None:
+            break
+        t = nxt
+    if s.count > hi:
+        cidx, cval = ops.gather(g, r, s)
+        idx, val = ops.pick_topk(cidx, cval, k)
+        return Selection(idx, val, val, passes=passes, fallback=True, energy=s.energy)
+    sel = topk(ops, g, r, k)
+    sel.passes, sel.fallback = passes, True
+    return sel
+
+
+def _as_dtype(t: float, dtype):
+    return np.float32(t) if dtype == torch.float32 else t
+
+
+def commit(ops, g, r, sel: Selection, sent: torch.Tensor) -> None:
+    """Write ``r = g + r`` and leave ``acc - sent`` at the selected positions (exactly the mass
+    the wire did not carry)."""
+    if sel.idx.numel() and sel.acc_values is sent:
+        remainder = torch.zeros_like(sent)
+    elif sel.idx.numel():
+        remainder = sel.acc_values - sent.to(sel.acc_values.dtype)
+    else:
+        remainder = sel.acc_values
+    ops.commit(g, r, sel.idx, remainder)
+
+
+def k_of(numel: int, density: float) -> int:
+    return min(numel, max(1, math.ceil(density * numel))) if numel > 0 else 0
