@@ -224,8 +224,8 @@ def test_every_sparsifier_conserves_mass_in_the_optimizer(name):
         density=0.05, bidirectional=False, sparsifier=name, min_sparse_numel=0,
         transport=LocalTransport(), **SPARSIFIER_ARGS[name])
     for step in range(5):
-        before = {n: (list(opt.engine_state().values())[i].uplink.clone() if list(opt.engine_state().values())[i].uplink is not None
-                      else torch.zeros(p.numel()))
+        views = list(opt.engine_state().values())
+        before = {n: (views[i].uplink if views[i].uplink is not None else torch.zeros(p.numel()))
                   for i, (n, p) in enumerate(m.named_parameters())}
         opt.zero_grad()
         m(torch.randn(16, 100)).pow(2).mean().backward()

@@ -51,4 +51,4 @@ class InFlight:
     target: Optional[int]
     error: Optional[torch.Tensor] = None  # ||residual||^2 after selection
     commit: Any = None  # deferred uplink residual update: (ops, grad, selection, sent)
-    compute_s: float = 0.0  # this rank's time on the bucket's sparse path, this step
+    zeroed: bool = False  # the uplink commit zeroed p.grad in its pass

@@ -4,10 +4,11 @@ The methods in :mod:`hvd_sparse.kernels.select` are written once against four pr
 module is their numba form for float32 CPU tensors (``g`` is the gradient, or ``None`` on the
 downlink where the residual already holds the aggregate; ``acc = g + r``):
 
-* :func:`scan` - one read of ``g`` and ``r``: counts the candidates (``acc >= t_hi`` or
-  ``acc <= -t_lo``) per 16-entry block (one cache line) and flags NaN/Inf, writing nothing;
-* :func:`gather` - copies the candidates, in index order and in parallel (per-chunk offsets
-  come from the scan), visiting only the blocks the scan marked;
+* :func:`scan` - one read of ``g`` and ``r``, writing nothing to them: counts the candidates
+  (``acc >= t_hi`` or ``acc <= -t_lo``), collects them in index order (per-chunk in parallel),
+  flags NaN/Inf and sums ``acc^2``;
+* :func:`gather` - hands the scan's candidates over (a second pass only when more came than
+  the room the caller expected);
 * :func:`kth_magnitude` - the exact k-th largest ``|acc|`` (radix histogram on the float bits),
   for the rare case where a sampled threshold aimed too high;
 * :func:`commit` - ``r += g`` and the selected positions set to what the wire could not carry.
@@ -24,6 +25,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import reference
+
 try:
     import numba
     from numba import njit, prange
@@ -32,7 +35,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the installation
     HAVE_NUMBA = False
 
-BLOCK = 16  # one 64-byte cache line of float32: the unit the gather skips or visits
+BLOCK = 32  # entries per candidate bit mask (one uint32)
 BINS = 1 << 16
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}  # not nnan/ninf: NaN must be seen
 FLT_MAX = np.float32(3.4028234663852886e38)
@@ -45,91 +48,159 @@ def available() -> bool:
 
 
 if HAVE_NUMBA:
+    from numba.cpython.unsafe.numbers import trailing_zeros
+
     @njit(fastmath=FASTMATH, cache=True)
-    def _scan_chunk(g, r, thi, tlo, bc):
-        """Candidates per block into ``bc``; returns (total, count of non-finite entries,
-        sum of acc^2)."""
+    def _scan_chunk(g, r, thi, tlo, base, out_idx, out_val, start, cap):
+        """One read of a chunk: candidates (``acc >= thi`` or ``acc <= -tlo``) appended to
+        ``out[start:start + cap]`` in index order, while they fit; returns (candidates seen,
+        sum of acc^2).
+
+        Per 32-entry block a vectorised loop builds a bit mask of the candidates and sums
+        ``a * a``; the set bits are then visited one by one (trailing-zero count), so only
+        candidates cost a scalar step. The sum of squares doubles as the NaN/Inf check: it is
+        finite exactly when every ``a`` is (and no block's float32 sum of squares overflows,
+        i.e. no magnitude near 1e18 or above), and fast math here keeps NaN/Inf semantics."""
         n = r.size
         full = n // BLOCK
-        total = 0
-        bad = 0
+        pos = 0
         energy = 0.0
-        for b in range(full):  # fixed-length inner loop: vectorised
+        # |a| >= t is a >= t or a <= -t, except at t = 0 where -0.0 and NaN differ: both
+        # forms agree on those (NaN: neither; -0.0 >= 0 and |-0.0| >= 0: both)
+        symmetric = thi == tlo
+        for b in range(full):
             lo = b * BLOCK
-            m = np.int32(0)
-            nb = np.int32(0)
+            mask = np.uint32(0)
             e = np.float32(0)
-            for j in range(BLOCK):
-                if g is None:
+            if g is None and symmetric:
+                for j in range(BLOCK):
                     a = r[lo + j]
-                else:
+                    mask |= np.uint32(abs(a) >= thi) << np.uint32(j)
+                    e += a * a
+            elif g is None:
+                for j in range(BLOCK):
+                    a = r[lo + j]
+                    mask |= np.uint32((a >= thi) | (a <= -tlo)) << np.uint32(j)
+                    e += a * a
+            elif symmetric:  # one compare per entry instead of two
+                for j in range(BLOCK):
                     a = g[lo + j] + r[lo + j]
-                m += np.int32((a >= thi) | (a <= -tlo))
-                nb += np.int32(not (abs(a) <= FLT_MAX))
-                e += a * a
-            bc[b] = m
-            total += m
-            bad += nb
+                    mask |= np.uint32(abs(a) >= thi) << np.uint32(j)
+                    e += a * a
+            else:
+                for j in range(BLOCK):
+                    a = g[lo + j] + r[lo + j]
+                    mask |= np.uint32((a >= thi) | (a <= -tlo)) << np.uint32(j)
+                    e += a * a
             energy += e
-        if full * BLOCK < n:
-            m = np.int32(0)
-            for i in range(full * BLOCK, n):
-                if g is None:
-                    a = r[i]
-                else:
-                    a = g[i] + r[i]
-                m += np.int32((a >= thi) | (a <= -tlo))
-                bad += np.int32(not (abs(a) <= FLT_MAX))
-                energy += a * a
-            bc[full] = m
-            total += m
-        return total, bad, energy
-
-    @njit(fastmath=FASTMATH, cache=True)
-    def _gather_chunk(g, r, thi, tlo, bc, base, out_idx, out_val, pos, end):
-        """Copy (base + i, acc[i]) of the candidates of the marked blocks, in index order."""
-        n = r.size
-        for b in range(bc.size):
-            if bc[b] != 0:
-                lo = b * BLOCK
-                hi = min(n, lo + BLOCK)
-                for i in range(lo, hi):
+            while mask != 0:
+                j = trailing_zeros(mask)
+                if pos < cap:
+                    out_idx[start + pos] = base + lo + j
                     if g is None:
-                        a = r[i]
+                        out_val[start + pos] = r[lo + j]
                     else:
-                        a = g[i] + r[i]
-                    if ((a >= thi) | (a <= -tlo)) and pos < end:
-                        out_idx[pos] = base + i
-                        out_val[pos] = a
-                        pos += 1
-        return pos
+                        out_val[start + pos] = g[lo + j] + r[lo + j]
+                pos += 1
+                mask &= mask - np.uint32(1)
+        for i in range(full * BLOCK, n):
+            if g is None:
+                a = r[i]
+            else:
+                a = g[i] + r[i]
+            energy += a * a
+            if (a >= thi) | (a <= -tlo):
+                if pos < cap:
+                    out_idx[start + pos] = base + i
+                    out_val[start + pos] = a
+                pos += 1
+        return pos, energy
 
     @njit(parallel=True, cache=True)
-    def _scan_par(g, r, thi, tlo, bc, counts, bads, energies, chunk):
-        per = chunk // BLOCK
+    def _scan_par(g, r, thi, tlo, chunk, out_idx, out_val, starts, caps, counts, energies):
         for c in prange(counts.size):
             lo = c * chunk
             hi = min(r.size, lo + chunk)
             if g is None:
-                t, nb, e = _scan_chunk(None, r[lo:hi], thi, tlo, bc[c * per:(c + 1) * per])
+                t, e = _scan_chunk(None, r[lo:hi], thi, tlo, lo, out_idx, out_val,
+                                   starts[c], caps[c])
             else:
-                t, nb, e = _scan_chunk(g[lo:hi], r[lo:hi], thi, tlo, bc[c * per:(c + 1) * per])
+                t, e = _scan_chunk(g[lo:hi], r[lo:hi], thi, tlo, lo, out_idx, out_val,
+                                   starts[c], caps[c])
             counts[c] = t
-            bads[c] = nb
             energies[c] = e
 
+    @njit(fastmath=FASTMATH, cache=True)
+    def _pick(cidx, cval, k, sign):
+        """The k best candidates by ``|v|`` (sign 0) or ``sign * v`` (scores must not be
+        negative), ties by lowest index (candidates come in index order).
+
+        Radix select: the non-negative float scores order like their bit patterns, so a
+        4096-bin histogram of the top bits finds the bin of the k-th score; an exact partition
+        of that one bin gives the k-th score; one pass in index order takes everything above
+        it and the lowest-index ties."""
+        m = cval.size
+        score = np.empty(m, dtype=np.float32)
+        for i in range(m):
+            v = cval[i]
+            score[i] = abs(v) if sign == 0 else (v if sign > 0 else -v)
+        bits = score.view(np.uint32)
+        hist = np.zeros(4096, dtype=np.int64)
+        for i in range(m):
+            hist[(bits[i] >> 19) & 4095] += 1
+        above = 0
+        top = 4095
+        while above + hist[top] < k:
+            above += hist[top]
+            top -= 1
+        need = k - above  # how many to take from bin ``top``
+        inbin = np.empty(hist[top], dtype=np.float32)
+        q = 0
+        for i in range(m):
+            if (bits[i] >> 19) & 4095 == top:
+                inbin[q] = score[i]
+                q += 1
+        kth = np.partition(inbin, q - need)[q - need]
+        ties = need
+        for j in range(q):
+            ties -= inbin[j] > kth
+        out_idx = np.empty(k, dtype=np.int64)
+        out_val = np.empty(k, dtype=np.float32)
+        pos = 0
+        for i in range(m):
+            sc = score[i]
+            take = sc > kth
+            if not take and sc == kth and ties > 0:
+                ties -= 1
+                take = True
+            if take:
+                out_idx[pos] = cidx[i]
+                out_val[pos] = cval[i]
+                pos += 1
+        return out_idx, out_val
+
+    @njit(cache=True)
+    def _scatter_add(target, idx, vals, scale):
+        for j in range(idx.size):
+            target[idx[j]] += vals[j] * scale
+
+    @njit(cache=True)
+    def _set_at(target, idx, vals):
+        for j in range(idx.size):
+            target[idx[j]] = vals[j]
+
+    @njit(fastmath=FASTMATH, cache=True)
+    def _add_zero_chunk(g, r):
+        for i in range(r.size):
+            r[i] += g[i]
+            g[i] = 0.0
+
     @njit(parallel=True, cache=True)
-    def _gather_par(g, r, thi, tlo, bc, offsets, chunk, out_idx, out_val):
-        per = chunk // BLOCK
-        for c in prange(offsets.size - 1):
+    def _add_zero_par(g, r, chunk):
+        for c in prange((r.size + chunk - 1) // chunk):
             lo = c * chunk
             hi = min(r.size, lo + chunk)
-            if g is None:
-                _gather_chunk(None, r[lo:hi], thi, tlo, bc[c * per:(c + 1) * per], lo,
-                              out_idx, out_val, offsets[c], offsets[c + 1])
-            else:
-                _gather_chunk(g[lo:hi], r[lo:hi], thi, tlo, bc[c * per:(c + 1) * per], lo,
-                              out_idx, out_val, offsets[c], offsets[c + 1])
+            _add_zero_chunk(g[lo:hi], r[lo:hi])
 
     @njit(cache=True)
     def _histogram_chunk(bits, h):
@@ -176,43 +247,62 @@ def _np(t):
 class Scan(NamedTuple):
     count: int
     nonfinite: bool
-    t_hi: np.float32
-    t_lo: np.float32
-    blocks: np.ndarray  # candidates per block
-    offsets: np.ndarray  # where each chunk's candidates start (length nchunks + 1)
-    chunk: int
     energy: float  # sum of acc^2 (the compression-error statistic needs no extra pass)
+    idx: torch.Tensor  # the candidates, in index order, when all of them fitted
+    values: torch.Tensor
+    complete: bool
+    args: tuple  # to scan again with exact room when they did not
 
 
-def scan(g, r, t_hi, t_lo) -> Scan:
-    """Count ``acc >= t_hi or acc <= -t_lo`` and look for NaN/Inf; reads only."""
+def _run_scan(gn, rn, thi, tlo, caps):
+    nchunks, chunk = _chunks(rn.size)
+    starts = np.zeros(nchunks, dtype=np.int64)
+    np.cumsum(caps[:-1], out=starts[1:])
+    total = int(caps.sum())
+    out_idx = np.empty(total, dtype=np.int64)
+    out_val = np.empty(total, dtype=np.float32)
+    counts = np.empty(nchunks, dtype=np.int64)
+    energies = np.empty(nchunks, dtype=np.float64)
+    if nchunks == 1:  # on the calling thread: numba's pool stays asleep
+        counts[0], energies[0] = _scan_chunk(gn, rn, thi, tlo, 0, out_idx, out_val, 0, caps[0])
+    else:
+        _scan_par(gn, rn, thi, tlo, chunk, out_idx, out_val, starts, caps, counts, energies)
+    return counts, energies, starts, out_idx, out_val
+
+
+def scan(g, r, t_hi, t_lo, expect=None) -> Scan:
+    """Count ``acc >= t_hi or acc <= -t_lo``, look for NaN/Inf and collect the candidates, in
+    one read of ``g`` and ``r`` (writes nothing to them). ``expect``: about how many candidates
+    there will be (room for twice that is made; more costs a second pass)."""
     gn, rn = _np(g), _np(r)
     thi, tlo = np.float32(t_hi), np.float32(t_lo)
     nchunks, chunk = _chunks(rn.size)
-    bc = np.empty(nchunks * (chunk // BLOCK), dtype=np.uint8)
-    counts = np.empty(nchunks, dtype=np.int64)
-    bads = np.empty(nchunks, dtype=np.int64)
-    energies = np.empty(nchunks, dtype=np.float64)
-    if nchunks == 1:  # on the calling thread: numba's pool stays asleep
-        counts[0], bads[0], energies[0] = _scan_chunk(gn, rn, thi, tlo, bc)
+    room = (rn.size // 32 if expect is None else 2 * int(expect)) + 4096
+    caps = np.full(nchunks, -(-room // nchunks) + BLOCK, dtype=np.int64)
+    counts, energies, starts, out_idx, out_val = _run_scan(gn, rn, thi, tlo, caps)
+    complete = bool((counts <= caps).all())
+    count = int(counts.sum())
+    if complete:
+        if nchunks == 1:
+            idx, val = out_idx[:count], out_val[:count]
+        else:
+            idx = np.concatenate([out_idx[s:s + c] for s, c in zip(starts, counts)])
+            val = np.concatenate([out_val[s:s + c] for s, c in zip(starts, counts)])
+        cidx, cval = torch.from_numpy(idx), torch.from_numpy(val)
     else:
-        _scan_par(gn, rn, thi, tlo, bc, counts, bads, energies, chunk)
-    offsets = np.zeros(nchunks + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    return Scan(int(offsets[-1]), bool(bads.any()), thi, tlo, bc, offsets, chunk,
-                float(energies.sum()))
+        cidx = cval = None
+    energy = float(energies.sum())
+    return Scan(count, not np.isfinite(energy), energy, cidx, cval, complete,
+                (gn, rn, thi, tlo, counts))
 
 
 def gather(g, r, s: Scan):
     """The candidates of scan ``s`` as (int64 indices, float32 acc values), in index order."""
-    gn, rn = _np(g), _np(r)
-    cidx = np.empty(s.count, dtype=np.int64)
-    cval = np.empty(s.count, dtype=np.float32)
-    if s.offsets.size == 2:
-        _gather_chunk(gn, rn, s.t_hi, s.t_lo, s.blocks, 0, cidx, cval, 0, s.count)
-    else:
-        _gather_par(gn, rn, s.t_hi, s.t_lo, s.blocks, s.offsets, s.chunk, cidx, cval)
-    return torch.from_numpy(cidx), torch.from_numpy(cval)
+    if s.complete:
+        return s.idx, s.values
+    gn, rn, thi, tlo, counts = s.args  # the room was short: once more with exact room
+    _, _, _, out_idx, out_val = _run_scan(gn, rn, thi, tlo, counts.astype(np.int64))
+    return torch.from_numpy(out_idx), torch.from_numpy(out_val)
 
 
 def sample(g, r, positions: np.ndarray) -> np.ndarray:
@@ -242,24 +332,42 @@ def kth_magnitude(g, r, k: int) -> np.float32:
 def pick_topk(cidx: torch.Tensor, cval: torch.Tensor, k: int, sign: int = 0):
     """The k largest of the candidates (by ``|v|``, or by ``sign * v``), ties by lowest index;
     candidates come in index order and so do the results."""
-    v = cval.numpy()
-    score = np.abs(v) if sign == 0 else (v if sign > 0 else -v)
-    if k >= score.size:
+    if k >= cval.numel():
         return cidx, cval
-    kth = np.partition(score, score.size - k)[score.size - k]
-    keep = score > kth
-    ties = np.flatnonzero(score == kth)[:k - int(keep.sum())]
-    keep[ties] = True
-    keep_t = torch.from_numpy(keep)
-    return cidx[keep_t], cval[keep_t]
+    if k <= 0:
+        return cidx[:0], cval[:0]
+    idx, val = _pick(cidx.numpy(), cval.numpy(), k, sign)
+    return torch.from_numpy(idx), torch.from_numpy(val)
 
 
-def commit(g, r, idx, remainder) -> None:
-    """``r += g`` (torch's threaded add), then ``r[idx] = remainder``."""
+def commit(g, r, idx, remainder, zero_grad=False) -> None:
+    """``r += g`` (and ``g = 0`` in the same pass when asked), then ``r[idx] = remainder``."""
     if g is not None:
-        r.add_(g)
+        if zero_grad:
+            gn, rn = _np(g), _np(r)
+            nchunks, chunk = _chunks(rn.size)
+            if nchunks == 1:
+                _add_zero_chunk(gn, rn)
+            else:
+                _add_zero_par(gn, rn, chunk)
+        else:
+            r.add_(g)
     if idx.numel():
-        r[idx] = remainder
+        _set_at(_np(r), idx.numpy(), _np(remainder))
+
+
+def scatter_add(target, idx, vals, scale: float) -> None:
+    """``target[idx] += vals * scale`` (indices unique: the order of the writes does not matter)."""
+    if vals.dtype != torch.float32 or target.dtype != torch.float32:
+        return reference.scatter_add(target, idx, vals, scale)
+    _scatter_add(_np(target), idx.numpy(), vals.contiguous().numpy(), np.float32(scale))
+
+
+def set_at(target, idx, vals) -> None:
+    """``target[idx] = vals``."""
+    if vals.dtype != target.dtype or target.dtype != torch.float32:
+        return reference.set_at(target, idx, vals)
+    _set_at(_np(target), idx.numpy(), vals.contiguous().numpy())
 
 
 def warm_up() -> None:

@@ -117,7 +117,7 @@ class Scan(NamedTuple):
     energy: None = None  # not measured here: the engine computes it after the commit
 
 
-def scan(g, r, t_hi, t_lo) -> Scan:
+def scan(g, r, t_hi, t_lo, expect=None) -> Scan:
     n = r.numel()
     thi, tlo = np.float32(t_hi), np.float32(t_lo)
     gc, rc, has_g = _args(g, r)
@@ -152,3 +152,5 @@ sample = reference.sample
 kth_magnitude = reference.kth_magnitude
 pick_topk = reference.pick_topk
 commit = reference.commit
+scatter_add = reference.scatter_add
+set_at = reference.set_at

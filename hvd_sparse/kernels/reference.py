@@ -34,7 +34,7 @@ def _threshold(t, dtype):
     return torch.tensor(float(t), dtype=dtype)
 
 
-def scan(g, r, t_hi, t_lo) -> Scan:
+def scan(g, r, t_hi, t_lo, expect=None) -> Scan:
     acc = _acc(g, r)
     thi, tlo = _threshold(t_hi, acc.dtype).to(acc.device), _threshold(t_lo, acc.dtype).to(acc.device)
     mask = (acc >= thi) | (acc <= -tlo)
@@ -71,8 +71,23 @@ def pick_topk(cidx, cval, k, sign=0):
     return cidx[top], cval[top]
 
 
-def commit(g, r, idx, remainder) -> None:
+def commit(g, r, idx, remainder, zero_grad=False) -> None:
+    """``r += g`` (then ``g = 0`` when asked), and ``r[idx] = remainder``."""
     if g is not None:
         r.add_(g.to(r.dtype))
+        if zero_grad:
+            g.zero_()
     if idx.numel():
         r[idx] = remainder.to(r.dtype)
+
+
+def scatter_add(target, idx, vals, scale: float) -> None:
+    """``target[idx] += vals * scale`` (indices unique within one call)."""
+    vals = vals.to(device=target.device, dtype=target.dtype)
+    target.index_add_(0, idx.to(device=target.device, dtype=torch.int64),
+                      vals * scale if scale != 1.0 else vals)
+
+
+def set_at(target, idx, vals) -> None:
+    """``target[idx] = vals``."""
+    target[idx.to(device=target.device, dtype=torch.int64)] = vals.to(target.dtype)

@@ -241,9 +241,13 @@ def main(argv=None):
 
 
 def _benchmark(args, one_step, rank, size, n_params, opt):
-    """Median wall time per step over ``--benchmark-steps`` steps, after two warm-up steps."""
+    """Median wall time per step over ``--benchmark-steps`` steps, after two warm-up steps;
+    for hvd_sparse also the mean seconds per pipeline stage over the timed steps."""
     times = []
+    stages0 = None
     for step in range(args.benchmark_steps + 2):
+        if step == 2 and args.optimizer == "sparse":
+            stages0 = dict(opt.communication_stats()["totals"]["stage_seconds"])
         t = time.perf_counter()
         one_step(0, step)
         times.append(time.perf_counter() - t)
@@ -256,7 +260,9 @@ def _benchmark(args, one_step, rank, size, n_params, opt):
     if args.optimizer == "sparse":
         s = opt.communication_stats()
         rec.update(bytes_sent_per_step=s["bytes_sent"], bytes_received_per_step=s["bytes_received"],
-                   dense_bytes_per_step=s["dense_bytes"])
+                   dense_bytes_per_step=s["dense_bytes"], cost_model=s["cost_model"],
+                   stage_s_mean={k: (v - stages0[k]) / len(times)
+                                 for k, v in s["totals"]["stage_seconds"].items()})
     if rank == 0:
         print(json.dumps(rec), flush=True)
         if args.metrics:
