@@ -1,16 +1,28 @@
 """Step time against the network: dense Horovod vs hvd_sparse behind a shaped link.
 
-    .venv/bin/python benchmarks/network.py [--rates 100mbit 1gbit none] [--ranks 2 4]
+    .venv/bin/python benchmarks/network.py [--rates 1gbit none] [--ranks 2 4] [--repeats 2]
 
 Every configuration runs through ``launch/slownet.sh`` (ranks in a private network namespace,
-MPI over TCP on a loopback shaped with tc) and ``python -m hvd_sparse.train --benchmark-steps``;
-the floor is the same model and batch on one rank with no communication at all. Results:
-benchmarks/results/network.json and network.png. Needs root (network namespaces).
+MPI over TCP on a loopback shaped with tc) and ``python -m hvd_sparse.train --benchmark-steps``.
+The floor is the same model and batch with no communication at all, run by the same number of
+ranks at once (``--optimizer local`` under the same launcher), since ranks on one machine share
+its cores and memory bandwidth. Configurations are interleaved (floor, dense, each sparse
+variant, then again) so slow drifts of the machine hit all of them alike; each repeat times
+``--steps`` steps after two warm-up steps and the row keeps the median over repeats.
+
+Sparse variants: ``topk`` is what a user gets by default (the time-based cost model may send
+buckets dense); ``topk_sparse`` and the other methods run with ``--cost-model off``, so they
+show the sparse path itself. Their per-stage means (uplink select, encode, collective wait,
+decode, uplink commit, aggregate, downlink select, write, dense) are kept.
+
+Results: benchmarks/results/network.json, network.png (step times) and network_stages.png (a
+stacked bar per sparse run). Needs root (network namespaces).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,12 +33,17 @@ from common import RESULTS, machine, save
 ROOT = Path(__file__).resolve().parents[1]
 PY = str(ROOT / ".venv" / "bin" / "python")
 
+OFF = ["--cost-model", "off"]
 OPTIMIZERS = {
+    "floor": ["--optimizer", "local"],
     "dense": ["--optimizer", "dense"],
-    "topk": ["--optimizer", "sparse", "--sparsifier", "topk", "--density", "0.01"],
-    "sbc": ["--optimizer", "sparse", "--sparsifier", "sbc", "--density", "0.01"],
-    "topk_fast": ["--optimizer", "sparse", "--sparsifier", "topk", "--density", "0.01",
-                  "--no-deterministic-dense"],
+    "topk": ["--optimizer", "sparse", "--sparsifier", "topk"],
+    "topk_sparse": ["--optimizer", "sparse", "--sparsifier", "topk", *OFF],
+    "gaussiank": ["--optimizer", "sparse", "--sparsifier", "gaussiank", *OFF],
+    "threshold": ["--optimizer", "sparse", "--sparsifier", "threshold", "--threshold", "6e-3",
+                  *OFF],
+    "adaptive": ["--optimizer", "sparse", "--sparsifier", "adaptive", *OFF],
+    "sbc": ["--optimizer", "sparse", "--sparsifier", "sbc", *OFF],
 }
 
 
@@ -37,58 +54,77 @@ def run(cmd, timeout):
         lines = Path(f.name).read_text().splitlines()
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    recs = [json.loads(line) for line in lines]
+    # the floor's ranks are independent one-rank jobs: each writes a record; take the median
+    rec = dict(recs[-1])
+    rec["step_s_median"] = statistics.median(r["step_s_median"] for r in recs)
+    return rec
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "none"])
+    p.add_argument("--rates", nargs="+", default=["1gbit", "none"])
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
-    p.add_argument("--models", nargs="+", default=["resnet", "mlp11m"])
+    p.add_argument("--models", nargs="+", default=["mlp11m"])
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--methods-at", nargs="+", type=int, default=[2],
+                   help="rank counts at which the methods other than Top-K are run")
+    p.add_argument("--density", default="0.01")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--merge", action="store_true",
-                   help="keep the rows of other models from the existing network.json")
+                   help="keep rows of other (model, rate, ranks) from the existing network.json")
     args = p.parse_args()
     rows = []
     if args.merge and (RESULTS / "network.json").exists():
         old = json.loads((RESULTS / "network.json").read_text())["rows"]
-        rows = [r for r in old if not (r["model"] in args.models
-                                       and (r["rate"] in args.rates or r["optimizer"] == "floor"))]
+        rows = [r for r in old if not (r["model"] in args.models and r["rate"] in args.rates
+                                       and r["ranks"] in args.ranks)]
     for model in args.models:
-        floor = run([PY, "-m", "hvd_sparse.train", "--optimizer", "local", "--model", model,
-                     "--benchmark-steps", str(args.steps)], 600)
-        floor_s = floor["step_s_median"]
-        rows.append({"model": model, "optimizer": "floor", "rate": "-", "ranks": 1,
-                     "step_s": floor_s, "parameters": floor["parameters"]})
-        print(f"{model}: floor {floor_s * 1e3:.1f} ms/step ({floor['parameters']:,} parameters)",
-              flush=True)
         for rate in args.rates:
             for ranks in args.ranks:
-                for name in args.optimizers:
-                    cmd = [str(ROOT / "launch" / "slownet.sh"), rate, str(ranks), "--", PY, "-m",
-                           "hvd_sparse.train", "--model", model, "--benchmark-steps",
-                           str(args.steps), *OPTIMIZERS[name]]
-                    rec = run(cmd, 900)
+                names = [n for n in args.optimizers
+                         if n in ("floor", "dense", "topk", "topk_sparse")
+                         or ranks in args.methods_at]
+                got = {n: [] for n in names}
+                for rep in range(args.repeats):
+                    for name in names:
+                        cmd = [str(ROOT / "launch" / "slownet.sh"), rate, str(ranks), "--", PY,
+                               "-m", "hvd_sparse.train", "--model", model, "--density",
+                               args.density, "--benchmark-steps", str(args.steps),
+                               *OPTIMIZERS[name]]
+                        rec = run(cmd, 1200)
+                        got[name].append(rec)
+                        print(f"{model} {rate:6} np={ranks} rep {rep} {name:12} "
+                              f"{rec['step_s_median'] * 1e3:8.1f} ms", flush=True)
+                floor_s = statistics.median(r["step_s_median"] for r in got["floor"]) \
+                    if "floor" in got else None
+                dense_s = statistics.median(r["step_s_median"] for r in got["dense"]) \
+                    if "dense" in got else None
+                for name, recs in got.items():
+                    step = statistics.median(r["step_s_median"] for r in recs)
                     row = {"model": model, "optimizer": name, "rate": rate, "ranks": ranks,
-                           "step_s": rec["step_s_median"], "step_s_all": rec["step_s_all"],
-                           "parameters": rec["parameters"], "floor_s": floor_s,
-                           "over_floor": rec["step_s_median"] / floor_s,
-                           "bytes_sent_per_step": rec.get("bytes_sent_per_step"),
-                           "dense_bytes_per_step": rec.get("dense_bytes_per_step")}
+                           "density": float(args.density), "step_s": step,
+                           "step_s_repeats": [r["step_s_median"] for r in recs],
+                           "parameters": recs[0]["parameters"], "floor_s": floor_s,
+                           "over_floor": step / floor_s if floor_s else None,
+                           "speedup_vs_dense": dense_s / step if dense_s else None}
+                    last = recs[-1]
+                    for key in ("bytes_sent_per_step", "dense_bytes_per_step", "stage_s_mean"):
+                        if key in last:
+                            row[key] = last[key]
+                    if "cost_model" in last:
+                        row["buckets_dense"] = sum(
+                            b["mode"] == "dense" for b in last["cost_model"]["buckets"].values())
+                        row["buckets_sparse_capable"] = len(last["cost_model"]["buckets"])
                     rows.append(row)
-                    print(f"{model:7} {rate:8} np={ranks} {name:10} {row['step_s'] * 1e3:9.1f} ms"
-                          f"  ({row['over_floor']:.2f}x floor)", flush=True)
-    for r in rows:  # speed-up against dense in the same (model, rate, ranks)
-        if r["optimizer"] not in ("floor", "dense"):
-            dense = [d for d in rows if d["optimizer"] == "dense" and d["model"] == r["model"]
-                     and d["rate"] == r["rate"] and d["ranks"] == r["ranks"]]
-            if dense:
-                r["speedup_vs_dense"] = dense[0]["step_s"] / r["step_s"]
-    save("network", {"machine": machine(), "steps": args.steps, "rows": rows,
-                     "note": "all ranks on one 2-core machine; the shaped loopback is shared "
-                             "by every rank's traffic"})
+    save("network", {"machine": machine(), "steps": args.steps, "repeats": args.repeats,
+                     "rows": rows,
+                     "note": "all ranks on one 2-core machine; the shaped loopback is shared by "
+                             "every rank's traffic; the floor runs the same number of ranks at "
+                             "once with no exchange"})
     plot(rows, RESULTS / "network.png")
+    plot_stages(rows, RESULTS / "network_stages.png")
 
 
 def plot(rows, path):
@@ -96,28 +132,51 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({r["model"] for r in rows})
-    ranks = sorted({r["ranks"] for r in rows if r["optimizer"] != "floor"})
-    fig, axes = plt.subplots(len(models), len(ranks), figsize=(5 * len(ranks), 3.5 * len(models)),
-                             squeeze=False)
-    for i, m in enumerate(models):
-        floor = [r for r in rows if r["model"] == m and r["optimizer"] == "floor"][0]["step_s"]
-        for j, n in enumerate(ranks):
-            ax = axes[i][j]
-            sel = [r for r in rows if r["model"] == m and r["ranks"] == n]
-            rates = [r for r in dict.fromkeys(x["rate"] for x in sel)]
-            opts = [o for o in dict.fromkeys(x["optimizer"] for x in sel)]
-            width = 0.8 / max(1, len(opts))
-            for k, o in enumerate(opts):
-                vals = [next((x["step_s"] for x in sel if x["rate"] == rt and x["optimizer"] == o),
-                             0) for rt in rates]
-                ax.bar([q + k * width for q in range(len(rates))], vals, width, label=o)
-            ax.axhline(floor, color="k", ls=":", label="floor (1 rank, no comm)")
-            ax.set_yscale("log")
-            ax.set_xticks([q + width for q in range(len(rates))], rates)
-            ax.set_title(f"{m}, {n} ranks")
-            ax.set_ylabel("s / step")
-            ax.legend(fontsize=7)
+    keys = sorted({(r["model"], r["ranks"]) for r in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
+    for ax, (m, n) in zip(axes[0], keys):
+        sel = [r for r in rows if r["model"] == m and r["ranks"] == n]
+        rates = list(dict.fromkeys(x["rate"] for x in sel))
+        opts = list(dict.fromkeys(x["optimizer"] for x in sel))
+        width = 0.8 / max(1, len(opts))
+        for k, o in enumerate(opts):
+            vals = [next((x["step_s"] for x in sel if x["rate"] == rt and x["optimizer"] == o),
+                         0) for rt in rates]
+            ax.bar([q + k * width for q in range(len(rates))], vals, width, label=o)
+        ax.set_yscale("log")
+        ax.set_xticks([q + 0.4 - width / 2 for q in range(len(rates))], rates)
+        ax.set_title(f"{m}, {n} ranks (floor: same ranks, no exchange)")
+        ax.set_ylabel("s / step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_stages(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hvd_sparse.engine.stages import STAGES
+
+    sel = [r for r in rows if r.get("stage_s_mean")]
+    if not sel:
+        return
+    labels = [f"{r['optimizer']}\n{r['rate']} P={r['ranks']}" for r in sel]
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(sel)), 4.5))
+    bottom = [0.0] * len(sel)
+    for st in STAGES:
+        vals = [r["stage_s_mean"].get(st, 0.0) * 1e3 for r in sel]
+        if any(vals):
+            ax.bar(labels, vals, bottom=bottom, label=st)
+            bottom = [a + v for a, v in zip(bottom, vals)]
+    over = [max(0.0, (r["step_s"] - r["floor_s"]) * 1e3) if r["floor_s"] else 0 for r in sel]
+    ax.scatter(labels, over, marker="_", s=500, color="k", zorder=3,
+               label="step minus floor")
+    ax.set_ylabel("ms per step (mean over timed steps, rank 0)")
+    ax.set_title("Where the sparse step's own time goes")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -1,13 +1,14 @@
-"""Selection benchmark: the fused feedback+Top-K pass against torch.topk and a memory floor.
+"""Selection benchmark: the fused feedback+Top-K step against torch.topk and a memory floor.
 
     .venv/bin/python benchmarks/selection.py [--sizes 1e6 25e6 100e6] [--densities 0.01 0.001]
 
 For each backend present (numba on CPU, CuPy on CUDA) and each size and density, in one run:
-  fused  - the fused pass (acc = grad + residual, exact Top-K, residual update, compaction);
+  fused  - select (one read-only scan of acc = grad + residual collecting candidates, exact
+           Top-K among them) and commit (residual = acc with the selection taken out);
   topk   - torch.topk of |acc| alone (what published Top-K systems pay for selection);
-  ref    - the plain torch fused reference (add, exact Top-K with tie rule, residual update);
+  ref    - the same select and commit on the plain torch primitives;
   floor  - ``residual.add_(grad)``: reads grad and residual, writes residual, the 12 bytes per
-           entry any fused pass must move.
+           entry any error-feedback step must move (select + commit move 20).
 Ratios fused/floor and topk/fused are reported. Results: benchmarks/results/selection_<dev>.json
 and a PNG.
 """
@@ -18,7 +19,13 @@ import argparse
 import torch
 
 from common import RESULTS, machine, save, timeit
-from hvd_sparse.kernels import cpu, cuda, reference
+from hvd_sparse.kernels import cpu, cuda, reference, select
+
+
+def fused_topk(ops, grad, residual, k):
+    sel = select.topk(ops, grad, residual, k)
+    select.commit(ops, grad, residual, sel, sel.values)
+    return sel
 
 
 def bench(device: str, n: int, density: float, repeat: int) -> dict:
@@ -30,11 +37,11 @@ def bench(device: str, n: int, density: float, repeat: int) -> dict:
     sync = torch.cuda.synchronize if device == "cuda" else None
     work = res.clone()
     row = {"n": n, "density": density, "k": k, "device": device}
-    row["fused_s"] = timeit(lambda: impl.fused_topk(grad, work, k), repeat, sync=sync)
+    row["fused_s"] = timeit(lambda: fused_topk(impl, grad, work, k), repeat, sync=sync)
     row["floor_s"] = timeit(lambda: work.add_(grad), repeat, sync=sync)
     row["topk_s"] = timeit(lambda: torch.topk(work.abs(), k, sorted=False), max(2, repeat // 2),
                            sync=sync)
-    row["ref_s"] = timeit(lambda: reference.fused_topk(grad, work, k), max(2, repeat // 2),
+    row["ref_s"] = timeit(lambda: fused_topk(reference, grad, work, k), max(2, repeat // 2),
                           sync=sync)
     row["fused_over_floor"] = row["fused_s"] / row["floor_s"]
     row["topk_over_fused"] = row["topk_s"] / row["fused_s"]

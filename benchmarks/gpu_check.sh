@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One command to verify the CuPy path on a machine with a GPU, torch, CuPy and mpi4py, and no
+# Horovod: GPU kernel equivalence (every sparsifier's fused form against its torch definition),
+# the selection benchmark (against torch.topk and a device copy floor), the engine benchmark,
+# and a 2-process run on the one GPU over the mpi4py transport. JSON results go to $OUT when it
+# is set (the device tool), else benchmarks/results/. Exits non-zero when a check fails.
+#
+#   bash benchmarks/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY="${PYTHON:-python3}"
+DEST="${OUT:-benchmarks/results}"
+mkdir -p "$DEST"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+"$PY" -c "import torch, cupy; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" || exit 2
+
+echo "== 1. kernels: fused forms on CUDA equal their torch definitions"
+"$PY" benchmarks/gpu_check.py kernels "$DEST/gpu_kernels.json" || status=1
+if "$PY" -c "import pytest" 2>/dev/null; then
+  "$PY" -m pytest -q tests/test_kernels.py -k cupy -p no:cacheprovider || status=1
+fi
+
+echo "== 2. selection: fused Top-K vs torch.topk vs device copy floor"
+(cd benchmarks && "$PY" selection.py --sizes 1e6 25e6 100e6 --densities 0.01 0.001) || status=1
+cp benchmarks/results/selection_cuda.json benchmarks/results/selection_cuda.png "$DEST"/ 2>/dev/null
+
+echo "== 3. engine alone on the GPU vs its pass-budget floor"
+(cd benchmarks && "$PY" engine.py --device cuda --sizes 11.4e6 100e6 --ranks 2 4) || status=1
+cp benchmarks/results/engine_cuda.json benchmarks/results/engine_cuda.png "$DEST"/ 2>/dev/null
+
+echo "== 4. two processes on the one GPU over mpi4py"
+LAUNCH=""
+for l in mpirun mpiexec; do command -v "$l" >/dev/null && LAUNCH="$l" && break; done
+if [ -z "$LAUNCH" ]; then
+  echo "no mpirun/mpiexec on this machine: step 4 not run" | tee "$DEST/gpu_mpi.txt"
+  status=1
+else
+  extra=""
+  "$LAUNCH" --version 2>&1 | grep -qi "open mpi" && extra="--allow-run-as-root --oversubscribe"
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    "$LAUNCH" $extra -np 2 "$PY" benchmarks/gpu_check.py mpi "$DEST/gpu_mpi.json" || status=1
+fi
+echo "gpu_check: $([ $status = 0 ] && echo all checks passed || echo SOME CHECKS FAILED)"
+exit $status
