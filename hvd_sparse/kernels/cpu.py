@@ -317,6 +317,9 @@ def kth_magnitude(g, r, k: int) -> np.float32:
     bits (for non-negative floats the bit pattern orders like the value)."""
     rn = _np(r)
     acc = rn if g is None else _np(g) + rn
+    if acc.size <= 1 << 16:  # short: an exact partition is cheaper than 65,536 bins
+        mag = np.abs(acc)
+        return np.partition(mag, mag.size - k)[mag.size - k]
     bits = acc.view(np.uint32)
     nchunks, chunk = _chunks(bits.size)
     hist = np.empty((nchunks, BINS), dtype=np.int64)
