@@ -102,3 +102,28 @@ def test_fp16_compression_rounding_stays_in_the_residual():
     assert torch.equal(applied + residual, raw)  # nothing lost, bit for bit
     stats = opt.communication_stats()
     assert stats["bytes_sent"] == 16 + 512 * 4 + 512 * 2  # header, int32 indices, fp16 values
+
+
+def test_engine_state_is_a_read_only_snapshot_and_cost_model_is_validated():
+    m = torch.nn.Linear(64, 32)
+    opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                          named_parameters=m.named_parameters(), density=0.1,
+                                          min_sparse_numel=0, transport=LocalTransport())
+    m(torch.randn(8, 64)).pow(2).sum().backward()
+    opt.step()
+    view = opt.engine_state()
+    assert list(view) == ["weight", "bias"]
+    w = view["weight"]
+    assert w.numel == 64 * 32 and w.sparse and w.mode == "sparse"
+    assert w.uplink is not None and w.downlink is not None
+    w.uplink.fill_(123.0)  # a copy: the engine's residual does not change
+    assert not torch.equal(opt.engine_state()["weight"].uplink, w.uplink)
+    with pytest.raises(TypeError):
+        view["weight"] = None  # the mapping itself is read-only
+    stats = opt.communication_stats()
+    assert set(stats["stage_seconds"]) >= {"uplink_select", "downlink_select", "write"}
+    assert stats["cost_model"]["rule"] == "time"
+    with pytest.raises(ValueError, match="cost_model"):
+        hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                        named_parameters=m.named_parameters(),
+                                        cost_model="fast", transport=LocalTransport())

@@ -116,7 +116,8 @@ def test_time_cost_model_agrees_across_ranks_and_goes_dense_when_sparse_loses(co
             assert b["compute_s"] > 0 and b["sparse_s"] > 0 and b["dense_s"] > 0
             assert b["mode"] == ("dense" if b["dense_s"] < b["sparse_s"] else "sparse")
         assert "dense" in {b["mode"] for b in rep["buckets"].values()}
-        assert r["time_modes_equal"] and r["time_params_equal"]
+        assert r["time_modes_equal"] and r["time_params_equal"] and r["time_modes_saved"]
+        assert r["time_recalibrated_at"] == 6
         selected, numel = r["time_after"]
         assert selected > numel / 2  # the dense buckets count whole
     # every rank decided from the same agreed numbers

@@ -360,6 +360,15 @@ def scenario_time_cost_model(res):
     res["time_modes_equal"] = all(x == modes for x in hvd.allgather_object(modes))
     res["time_after"] = [s["selected"], s["numel"]]
     res["time_params_equal"] = all_equal_digest(flat_params(m))
+    saved = opt.state_dict()["hvd_sparse"]["buckets"]
+    res["time_modes_saved"] = {k: v["mode"] for k, v in saved.items()} == modes
+    m = make_model(8)  # recalibration every 2 steps after the first 2
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
+                                   named_parameters=m.named_parameters(), density=0.5,
+                                   min_sparse_numel=0, calibration_steps=2,
+                                   recalibrate_every=2)
+    train(m, opt, 6)
+    res["time_recalibrated_at"] = opt.communication_stats()["cost_model"]["calibrated_at_step"]
 
 
 SCENARIOS = [scenario_bad_input, scenario_reference, scenario_bitwise, scenario_dense_equivalence,
