@@ -49,3 +49,15 @@ def save(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1))
     return path
+
+
+def stacked_stages(ax, labels, stage_dicts):
+    """One stacked bar per label: milliseconds per pipeline stage (hvd_sparse.engine.stages)."""
+    from hvd_sparse.engine.stages import STAGES
+
+    bottom = [0.0] * len(labels)
+    for st in STAGES:
+        vals = [d.get(st, 0.0) * 1e3 for d in stage_dicts]
+        if any(vals):
+            ax.bar(labels, vals, bottom=bottom, label=st)
+            bottom = [a + v for a, v in zip(bottom, vals)]

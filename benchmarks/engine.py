@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from common import RESULTS, machine, save, timeit
+from common import RESULTS, machine, save, stacked_stages, timeit
 import hvd_sparse
 from hvd_sparse import wire
 from hvd_sparse.kernels import cpu
@@ -109,16 +109,9 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hvd_sparse.engine.stages import STAGES
-
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
     labels = [f"{r['sparsifier']}\n{r['n'] / 1e6:.1f}M P={r['ranks']}" for r in rows]
-    bottom = [0.0] * len(rows)
-    for st in STAGES:
-        vals = [r["stage_s"].get(st, 0.0) * 1e3 for r in rows]
-        if any(vals):
-            ax.bar(labels, vals, bottom=bottom, label=st)
-            bottom = [a + v for a, v in zip(bottom, vals)]
+    stacked_stages(ax, labels, [r["stage_s"] for r in rows])
     ax.scatter(labels, [r["floor_s"] * 1e3 for r in rows], marker="_", s=600, color="k",
                label="pass-budget floor (copy)", zorder=3)
     ax.set_ylabel("ms per step")

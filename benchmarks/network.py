@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS, machine, save
+from common import RESULTS, machine, save, stacked_stages
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = str(ROOT / ".venv" / "bin" / "python")
@@ -157,19 +157,12 @@ def plot_stages(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hvd_sparse.engine.stages import STAGES
-
     sel = [r for r in rows if r.get("stage_s_mean")]
     if not sel:
         return
     labels = [f"{r['optimizer']}\n{r['rate']} P={r['ranks']}" for r in sel]
     fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(sel)), 4.5))
-    bottom = [0.0] * len(sel)
-    for st in STAGES:
-        vals = [r["stage_s_mean"].get(st, 0.0) * 1e3 for r in sel]
-        if any(vals):
-            ax.bar(labels, vals, bottom=bottom, label=st)
-            bottom = [a + v for a, v in zip(bottom, vals)]
+    stacked_stages(ax, labels, [r["stage_s_mean"] for r in sel])
     over = [max(0.0, (r["step_s"] - r["floor_s"]) * 1e3) if r["floor_s"] else 0 for r in sel]
     ax.scatter(labels, over, marker="_", s=500, color="k", zorder=3,
                label="step minus floor")

@@ -204,7 +204,7 @@ class Engine:
                 if sel is not None and sel.nonfinite and c.nonfinite == "ignore":
                     sel = None  # NaN/Inf flow on, as the plain path lets them
         if sel is not None and sel.nonfinite:
-            self._send_nonfinite(b, flat, name, sparse_ids, residual)
+            self._send_nonfinite(b, flat, name, sparse_ids)
             return
         if sel is None:
             self._launch_plain(b, flat, sparse_ids, name, target)
@@ -240,7 +240,7 @@ class Engine:
         return torch.tensor(max(sel.energy - float(a.pow(2).sum()) + left, 0.0),
                             dtype=torch.float64)
 
-    def _send_nonfinite(self, b, flat, name, sparse_ids, residual):
+    def _send_nonfinite(self, b, flat, name, sparse_ids):
         """Keep NaN/Inf out of the residual; tell every rank through the payload's flag."""
         c = self.config
         self._local_nonfinite += [n for n, p in zip(b.names, b.params)
@@ -257,9 +257,8 @@ class Engine:
         c = self.config
         st = self.state[b.index]
         with self.clock.stage("uplink_select", b.index):
-            if c.nonfinite != "ignore" and not bool(torch.isfinite(flat).all()):
-                residual = st.uplink.ensure(flat)
-                self._send_nonfinite(b, flat, name, sparse_ids, residual)
+            if c.nonfinite != "ignore" and not _all_finite(flat):
+                self._send_nonfinite(b, flat, name, sparse_ids)
                 return
             if c.nonfinite == "skip":
                 self._snapshots[b.index] = (st.uplink.state(),
@@ -466,7 +465,6 @@ class Engine:
                 bounds = torch.tensor([off, off + hi - lo], dtype=idx.dtype, device=idx.device)
                 a, e = torch.searchsorted(idx, bounds).tolist()
                 sub_idx, sub_val = idx[a:e] - off, values[a:e]
-            whole = (lo, hi) == (0, p.numel())
             if id(p) in sparse_ids:  # handed back sparse, as Horovod's sparse_as_dense does
                 dense = p.grad.to_dense() if p.grad.is_sparse else p.grad
                 flat = dense.reshape(-1)

@@ -10,7 +10,6 @@ exact decision among them on a short list. Results equal the methods' plain torc
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -225,7 +224,3 @@ def commit(ops, g, r, sel: Selection, sent: torch.Tensor, zero_grad: bool = Fals
     else:
         remainder = sel.acc_values
     ops.commit(g, r, sel.idx, remainder, zero_grad)
-
-
-def k_of(numel: int, density: float) -> int:
-    return min(numel, max(1, math.ceil(density * numel))) if numel > 0 else 0
