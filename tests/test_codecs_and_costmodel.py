@@ -48,3 +48,48 @@ def test_transport_choice():
     assert isinstance(make_transport("mpi"), MPITransport)
     with pytest.raises(ValueError, match="process_set"):
         make_transport("mpi", process_set=object())
+
+
+class _EchoTransport(LocalTransport):
+    """Two ranks that send the same bytes: enough to run the engine's calibration path."""
+
+    def size(self):
+        return 2
+
+    def allgather_async(self, payload, name):
+        return torch.cat([payload, payload])
+
+    def allreduce_async(self, tensor, name, *, average, prescale=1.0, postscale=1.0):
+        return tensor
+
+
+@pytest.mark.parametrize("fast", ["reduce", "gather"])
+def test_time_cost_model_decides_from_the_agreed_figures(monkeypatch, fast):
+    from hvd_sparse.engine import calibration
+
+    mib4 = 4 << 20
+    if fast == "reduce":  # allreduce 100 us + 10 GB/s, allgather 50 ms latency: dense wins
+        link = [0.05, 0.05 + 2 * mib4 / 1e8, 1e-4, 1e-4 + mib4 / 1e10]
+    else:  # allreduce costs a second: sparse wins
+        link = [1e-4, 1e-4 + 2 * mib4 / 1e10, 1.0, 1.0 + mib4 / 1e6]
+    monkeypatch.setattr(calibration, "measure_link", lambda transport, device: list(link))
+    torch.manual_seed(0)
+    m = torch.nn.Linear(100, 50)
+    opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01),
+                                          named_parameters=m.named_parameters(), density=0.01,
+                                          min_sparse_numel=0, calibration_steps=1,
+                                          check_config=False, transport=_EchoTransport())
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.randn(8, 100)).pow(2).sum().backward()
+        opt.step()
+    report = opt.communication_stats()["cost_model"]
+    assert report["calibrated_at_step"] == 1
+    want = "dense" if fast == "reduce" else "sparse"
+    assert {b["mode"] for b in report["buckets"].values()} == {want}
+    s = opt.communication_stats()
+    assert (s["selected"] == s["numel"]) == (want == "dense")
+    saved = opt.state_dict()["hvd_sparse"]["buckets"]
+    assert {v["mode"] for v in saved.values()} == {want}
+    if want == "dense":  # error feedback was flushed into the dense exchange and released
+        assert all(v.uplink is None for v in opt.engine_state().values())

@@ -105,7 +105,10 @@ def test_cost_model_falls_back_to_dense_identically_on_all_ranks(core):
         assert selected < numel / 10
 
 
-def test_time_cost_model_agrees_across_ranks_and_goes_dense_when_sparse_loses(core):
+def test_time_cost_model_agrees_across_ranks(core):
+    """Real measurements, so which way a bucket goes is not asserted (that would be a timing
+    threshold): only that the rule was applied to the agreed numbers, the same on every rank.
+    The decision itself is tested with fixed link figures in test_codecs_and_costmodel.py."""
     for r in core:
         assert set(r["time_before"].values()) == {"sparse"}  # nothing decided before calibration
         rep = r["time_report"]
@@ -115,10 +118,7 @@ def test_time_cost_model_agrees_across_ranks_and_goes_dense_when_sparse_loses(co
         for b in rep["buckets"].values():
             assert b["compute_s"] > 0 and b["sparse_s"] > 0 and b["dense_s"] > 0
             assert b["mode"] == ("dense" if b["dense_s"] < b["sparse_s"] else "sparse")
-        assert "dense" in {b["mode"] for b in rep["buckets"].values()}
         assert r["time_modes_equal"] and r["time_params_equal"] and r["time_modes_saved"]
         assert r["time_recalibrated_at"] == 6
-        selected, numel = r["time_after"]
-        assert selected > numel / 2  # the dense buckets count whole
     # every rank decided from the same agreed numbers
     assert all(r["time_report"] == core[0]["time_report"] for r in core)
