@@ -408,14 +408,19 @@ class Engine:
         payloads, gathered_bytes = received
         size = self.transport.size()
         scale = (c.predivide / size) if c.average else 1.0
+        device = b.params[0].device
         with self.clock.stage("aggregate", b.index):
             for p in payloads:
                 p.values = c.compression.decompress(p.values, job.ctx)
             if c.sparsifier.observes or c.downlink_sparsifier.observes:
-                support = _sparse_sum(payloads, scale, st.downlink.dtype)
+                dtype = st.downlink.dtype
+                scratch = st.support_scratch
+                if scratch is None or scratch.device != device or scratch.dtype != dtype:
+                    st.support_scratch = scratch = torch.zeros(b.numel, dtype=dtype,
+                                                               device=device)
+                support = kernels.ops_for(scratch).support_sum(scratch, payloads, scale)
                 c.sparsifier.observe(support, self._ctx(b, "up"))
                 c.downlink_sparsifier.observe(support, self._ctx(b, "down"))
-            device = b.params[0].device
             if c.bidirectional:
                 target = st.downlink.ensure(torch.empty(0, device=device))
             else:
@@ -689,24 +694,6 @@ class Engine:
     def reset_round(self):
         self.inflight.clear()
         self._snapshots.clear()
-
-
-def _sparse_sum(payloads, scale: float, dtype) -> torch.Tensor:
-    """The aggregate's values on the union of the payloads' positions, summed in rank order."""
-    nonempty = [p for p in payloads if p.indices.numel()]
-    if not nonempty:
-        return torch.zeros(0, dtype=dtype)
-    device = nonempty[0].indices.device
-    union, inverse = torch.unique(torch.cat([p.indices.to(device) for p in nonempty]),
-                                  return_inverse=True)
-    out = torch.zeros(union.numel(), dtype=dtype, device=device)
-    start = 0
-    for p in nonempty:
-        m = p.indices.numel()
-        vals = p.values.to(device=device, dtype=dtype)
-        out.index_add_(0, inverse[start:start + m], vals * scale if scale != 1.0 else vals)
-        start += m
-    return out
 
 
 def _all_finite(t: torch.Tensor) -> bool:

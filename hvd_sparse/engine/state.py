@@ -22,6 +22,7 @@ class BucketState:
     anchor: Optional[torch.Tensor] = None
     mode: str = "sparse"  # the cost model's choice for a sparse-capable bucket: sparse or dense
     scratch: Optional[torch.Tensor] = None  # reused flat buffer (multi-parameter gradients)
+    support_scratch: Optional[torch.Tensor] = None  # all zeros between steps (adaptive k)
     costs: Dict[str, float] = field(default_factory=dict)  # the last decision's inputs
 
     @classmethod

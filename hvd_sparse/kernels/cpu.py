@@ -185,6 +185,19 @@ if HAVE_NUMBA:
             target[idx[j]] += vals[j] * scale
 
     @njit(cache=True)
+    def _support_values(scratch, idx, out, pos):
+        """Read and clear ``scratch`` at ``idx``: each position's sum is taken once (the
+        first time it is met) and ``scratch`` is left all zeros again."""
+        for j in range(idx.size):
+            i = idx[j]
+            v = scratch[i]
+            if v != 0.0:
+                out[pos] = v
+                pos += 1
+                scratch[i] = 0.0
+        return pos
+
+    @njit(cache=True)
     def _set_at(target, idx, vals):
         for j in range(idx.size):
             target[idx[j]] = vals[j]
@@ -364,6 +377,22 @@ def scatter_add(target, idx, vals, scale: float) -> None:
     if vals.dtype != torch.float32 or target.dtype != torch.float32:
         return reference.scatter_add(target, idx, vals, scale)
     _scatter_add(_np(target), idx.numpy(), vals.contiguous().numpy(), np.float32(scale))
+
+
+def support_sum(scratch, payloads, scale: float):
+    """The aggregate's non-zero values (payloads summed in rank order), with an all-zero
+    ``scratch`` of the bucket's length (left all zero again): O(P k), no sort."""
+    total = 0
+    for p in payloads:
+        if p.indices.numel():
+            scatter_add(scratch, p.indices, p.values, scale)
+            total += p.indices.numel()
+    out = np.empty(total, dtype=np.float32)
+    pos = 0
+    for p in payloads:
+        if p.indices.numel():
+            pos = _support_values(_np(scratch), p.indices.numpy(), out, pos)
+    return torch.from_numpy(out[:pos])
 
 
 def set_at(target, idx, vals) -> None:

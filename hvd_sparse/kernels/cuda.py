@@ -154,3 +154,4 @@ pick_topk = reference.pick_topk
 commit = reference.commit
 scatter_add = reference.scatter_add
 set_at = reference.set_at
+support_sum = reference.support_sum
