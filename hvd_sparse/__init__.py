@@ -1,10 +1,12 @@
 """hvd_sparse: sparse gradient exchange for Horovod, as a drop-in ``DistributedOptimizer``.
 
-``import hvd_sparse as hvd`` is a one-line switch: the optimizer is hvd_sparse's, and every other
-name a Horovod training script uses (``init``, ``rank``, ``size``, ``broadcast_parameters``,
+``import hvd_sparse as hvd`` is a one-line switch: the optimizer (and
+``broadcast_optimizer_state``, which also carries hvd_sparse's replicated state) is hvd_sparse's,
+and every other name a Horovod training script uses (``init``, ``rank``, ``size``, ``broadcast_parameters``,
 ``broadcast_optimizer_state``, ``Compression``, ``Average``, ``elastic``, ...) is Horovod's own,
 looked up in ``horovod.torch`` on first use.
 """
+from .broadcast import broadcast_optimizer_state
 from .optimizer import DistributedOptimizer, is_sparse_optimizer
 from .sparsifiers import (AdaptiveTopK, GaussianK, HardThreshold, RandomK, SelectionContext,
                           SparseBinary, Sparsifier, TopK, make_sparsifier, threshold_for_k)
@@ -12,7 +14,7 @@ from .sparsifiers import (AdaptiveTopK, GaussianK, HardThreshold, RandomK, Selec
 __version__ = "0.1.0"
 __all__ = ["DistributedOptimizer", "Sparsifier", "SelectionContext", "TopK", "GaussianK",
            "HardThreshold", "AdaptiveTopK", "SparseBinary", "RandomK", "make_sparsifier",
-           "threshold_for_k", "is_sparse_optimizer"]
+           "threshold_for_k", "is_sparse_optimizer", "broadcast_optimizer_state"]
 
 
 def __getattr__(name):

@@ -101,14 +101,15 @@ def broadcast_parameters(params, root_rank=0):
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0):
-    """Give every rank rank ``root_rank``'s optimizer state (hvd_sparse's own state excluded:
-    residuals are per rank and stay as they are)."""
+    """Give every rank rank ``root_rank``'s optimizer state and hyper-parameters; for an
+    hvd_sparse optimizer, also its replicated state (downlink residuals, counters), taken before
+    the next exchange. Each rank keeps its own uplink residuals. Call it on every rank."""
     sd = optimizer.state_dict()
-    mine = sd.pop("hvd_sparse", None)
-    sd = broadcast_object(sd, root_rank)
-    if mine is not None:
-        sd["hvd_sparse"] = mine
-    optimizer.load_state_dict(sd)
+    sd.pop("hvd_sparse", None)
+    optimizer.load_state_dict(broadcast_object(sd, root_rank))
+    engine = getattr(optimizer, "_hs_engine", None)
+    if engine is not None:
+        engine.request_agreement(root_rank)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, **kwargs):

@@ -142,7 +142,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         """Communication delay (SBC): local steps, then the engine exchanges the weight change."""
         engine = self._hs_engine
         engine.ensure_anchors()
-        result = self._hs_base.step(self, closure)
+        # a non-finite gradient is not applied locally (the weights would never recover)
+        result = self._hs_base.step(self, closure) if engine.local_step_finite() else None
         self._hs_reset_round()
         if engine.local_step_done() and self._hs_transport.included():
             try:
@@ -238,7 +239,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          dense_warmup_steps=0, local_steps=1, track_error=True,
                          deterministic_dense=True, dense_fallback=True, cost_model="time",
                          calibration_steps=3, recalibrate_every=0, value_dtype=None,
-                         nonfinite="raise", verify_every=0, check_config=True,
+                         nonfinite="propagate", verify_every=0, check_config=True,
                          scope="tensor", bucket_cap_mb=25.0, min_sparse_numel=1024,
                          max_bucket_numel=None,
                          transport=None, **unknown):
@@ -279,8 +280,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     ``value_dtype`` (``torch.float16``/``bfloat16``/``float32``) sets the value type on the wire;
     the rounding error stays in the residual.
 
-    Safety: ``nonfinite`` (``"raise"``, default, or ``"skip"`` the step on every rank, or
-    ``"ignore"``) for NaN/Inf gradients, which never enter a residual; ``verify_every=N``
+    Safety: ``nonfinite`` says what a NaN/Inf gradient on any rank does; it never enters a
+    residual, and every rank does the same. ``"propagate"`` (default, as dense Horovod and
+    ``torch.amp.GradScaler`` expect): every residual stays as it was and ``p.grad`` gets the
+    plain average of the raw gradients, NaN/Inf included, so a scaler skips the step and
+    lowers its scale; ``"skip"``: gradients zeroed and ``step()`` skipped on every rank;
+    ``"raise"``: :class:`hvd_sparse.safety.NonFiniteGradientError` on every rank;
+    ``"ignore"``: no check (NaN/Inf flow into residuals). ``verify_every=N``
     checks every N steps that parameters and downlink residuals are bitwise equal on all ranks;
     ``check_config`` (default) compares models and options across ranks before the first
     exchange (:mod:`hvd_sparse.safety`).
@@ -351,11 +357,36 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     body = {k: v for k, v in _SparseDistributedOptimizer.__dict__.items()
             if k not in ("__dict__", "__weakref__")}
     body["_hs_base"] = base
+    # Horovod's broadcast_optimizer_state initialises a fresh optimizer's state with the base
+    # class's step() only when the optimizer's module is its DistributedOptimizer's; any other
+    # optimizer gets step() itself, a collective here, which hangs when only some ranks are fresh
+    # (the usual resume: rank 0 loaded a checkpoint). Ours is a Horovod optimizer in that sense.
+    body["__module__"] = "horovod.torch.optimizer"
     cls = type(base.__name__, (base,), body)
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # same param groups, state and hooks
+    _rebind_instance_step(wrapped, optimizer)
     wrapped._hs_init(named, Engine(config, plan, transport))
     return wrapped
+
+
+def _rebind_instance_step(wrapped, original) -> None:
+    """An LR scheduler made before wrapping left ``original.step`` as an instance attribute (a
+    wrapper around the base class's step, bound to ``original``). Copied over, it would run the
+    base step with no exchange; drop it, and keep the scheduler's "step() was called" tracking
+    on both objects (the scheduler holds ``original``)."""
+    inner = wrapped.__dict__.pop("step", None)
+    if inner is None or not getattr(inner, "_wrapped_by_lr_sched", False):
+        return
+    own_step = wrapped.step
+
+    def step(*args, **kwargs):
+        original._opt_called = True
+        wrapped._opt_called = True
+        return own_step(*args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    wrapped.step = step
 
 
 def is_sparse_optimizer(obj) -> bool:

@@ -1,9 +1,9 @@
 """Guards that turn silent failure modes into clear errors on every rank.
 
-* :func:`check_same_config` - before the first exchange, every rank compares a digest of what it
-  is about to do (parameter names, shapes, dtypes, buckets, sparsifier and exchange options);
-  a mismatch raises :class:`ConfigMismatchError` on every rank, naming the first difference,
-  instead of a hang or a wrong sum.
+* :func:`raise_config_mismatch` - before the first exchange every rank compares a digest of what
+  it is about to do (parameter names, shapes, dtypes, buckets, sparsifier and exchange options;
+  :mod:`hvd_sparse.engine.agreement`); a mismatch raises :class:`ConfigMismatchError` on every
+  rank, naming the first difference, instead of a hang or a wrong sum.
 * :func:`verify_replicas` - a cheap checksum collective over parameters and replicated downlink
   residuals; raises :class:`ReplicaDivergenceError` naming the first tensor that differs.
 * :class:`NonFiniteGradientError` - raised on every rank when any rank's gradient held NaN/Inf
@@ -64,14 +64,11 @@ def _first_difference(a, b, path=""):
     return None if a == b else (path.lstrip("."), a, b)
 
 
-def check_same_config(transport, description: dict) -> None:
-    """Raise :class:`ConfigMismatchError` on every rank unless all ranks describe the same job."""
-    text = json.dumps(description, sort_keys=True, default=str).encode()
-    digests = _gather_bytes(transport, hashlib.sha256(text).digest(), "hvd_sparse.config.digest")
-    if all(d == digests[0] for d in digests):
-        return
+def raise_config_mismatch(transport, text: bytes) -> None:
+    """After digests differed (on every rank): gather the descriptions and raise, naming the
+    first difference."""
     texts = _gather_bytes(transport, text, "hvd_sparse.config.full")
-    descs = [json.loads(t) for t in texts]
+    descs = [json.loads(t) if t else {} for t in texts]
     for r in range(1, len(descs)):
         diff = _first_difference(descs[0], descs[r])
         if diff:

@@ -23,6 +23,7 @@ class CommunicationStats:
     def __init__(self):
         self.steps = 0
         self.skipped = 0  # steps skipped on every rank for a non-finite gradient
+        self.nonfinite_steps = 0  # steps where some rank's gradient held NaN/Inf
         self.totals = {k: 0 for k in self.KEYS}
         self.totals["compression_error"] = 0.0
         self.last: Dict[str, float] = {k: 0 for k in self.KEYS}
@@ -72,15 +73,18 @@ class CommunicationStats:
         out["target_per_bucket"] = {b: v["target"] for b, v in self.last_per_bucket.items()}
         out["steps"] = self.steps
         out["skipped_steps"] = self.skipped
+        out["nonfinite_steps"] = self.nonfinite_steps
         out["totals"] = dict(self.totals)
         sent = self.totals["bytes_sent"]
         out["totals"]["compression_ratio"] = self.totals["dense_bytes"] / sent if sent else 0.0
         return out
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "skipped": self.skipped, "totals": dict(self.totals)}
+        return {"steps": self.steps, "skipped": self.skipped,
+                "nonfinite": self.nonfinite_steps, "totals": dict(self.totals)}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state.get("steps", 0))
         self.skipped = int(state.get("skipped", 0))
+        self.nonfinite_steps = int(state.get("nonfinite", 0))
         self.totals.update(state.get("totals", {}))

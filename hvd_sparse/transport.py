@@ -138,11 +138,18 @@ class MPITransport(Transport):
         nbytes = src.numel() * src.element_size()
         counts = np.empty(self.size(), dtype=np.int64)
         self.comm.Allgather(np.array([nbytes], dtype=np.int64), counts)
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        unit, unit_counts, displs = gatherv_layout(counts)
         out = torch.empty(int(counts.sum()), dtype=torch.uint8, device=src.device)
-        req = self.comm.Iallgatherv([self._buffer(src), MPI.BYTE],
-                                    [self._buffer(out), counts, displs, MPI.BYTE])
+        dtype = MPI.BYTE if unit == 1 else self._unit_type(unit)
+        req = self.comm.Iallgatherv([self._buffer(src), dtype],
+                                    [self._buffer(out), unit_counts, displs, dtype])
         return ("gather", req, out, src, payload.dtype, payload.device)
+
+    def _unit_type(self, unit):
+        types = self.__dict__.setdefault("_unit_types", {})
+        if unit not in types:
+            types[unit] = self.MPI.BYTE.Create_contiguous(unit).Commit()
+        return types[unit]
 
     def allreduce_async(self, tensor, name, *, average, prescale=1.0, postscale=1.0):
         import numpy as np
@@ -158,7 +165,11 @@ class MPITransport(Transport):
             work.mul_(prescale)
         out = torch.empty_like(work)
         mpi_type = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}[work.dtype]
-        bufs = [work.numpy(), out.numpy()] if work.device.type == "cpu" else [work, out]
+        if work.device.type == "cpu":
+            bufs = [work.numpy(), out.numpy()]
+        else:  # CUDA-aware MPI reads device memory: the kernels that wrote it must be done
+            torch.cuda.current_stream(work.device).synchronize()
+            bufs = [work, out]
         req = self.comm.Iallreduce([bufs[0], mpi_type], [bufs[1], mpi_type], op=MPI.SUM)
         scale = postscale / self.size() if average else postscale
         return ("reduce", req, out, (work, scale), wire_dtype, tensor.device)
@@ -177,6 +188,38 @@ class MPITransport(Transport):
         return result.to(device) if result.device != device else result
 
 
+INT_MAX = 2**31 - 1
+
+
+def gatherv_layout(counts):
+    """(unit, counts, displacements) for an ``Allgatherv`` of byte counts: MPI takes C ints,
+    so past 2**31 - 1 bytes in all the exchange moves units of 8 bytes (hvd_sparse's payloads
+    are padded to 8), or 2**k bytes where every count allows it."""
+    import numpy as np
+
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    unit = 1
+    while total // unit > INT_MAX:
+        if unit >= 2**20 or np.any(counts % (unit * 2)):
+            raise ValueError(f"an allgather of {total} bytes in counts {counts.tolist()} does "
+                             "not fit MPI's int counts in any common unit")
+        unit *= 2
+    unit_counts = counts // unit
+    displs = np.concatenate([[0], np.cumsum(unit_counts)[:-1]]).astype(np.int64)
+    return unit, unit_counts, displs
+
+
+def cuda_in_library_version(text: str) -> bool:
+    """Does an MPI library version string announce CUDA support? ("--without-cuda" does not.)"""
+    import re
+
+    for token in re.findall(r"[\w=+-]*cuda[\w=+-]*", text.lower()):
+        if not re.search(r"(without|disable|no)[-_]?cuda|cuda[-_=]?(no|off|false)\b", token):
+            return True
+    return False
+
+
 def _cuda_aware_mpi() -> bool:
     import os
 
@@ -186,7 +229,7 @@ def _cuda_aware_mpi() -> bool:
     try:
         from mpi4py import MPI
 
-        return "cuda" in MPI.Get_library_version().lower() and \
+        return cuda_in_library_version(MPI.Get_library_version()) and \
             os.environ.get("OMPI_MCA_opal_cuda_support", "true") != "false"
     except Exception:  # pragma: no cover
         return False

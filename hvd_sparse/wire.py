@@ -93,8 +93,8 @@ def encode(indices: torch.Tensor, values: torch.Tensor, *, index_dtype: torch.dt
     ``constant``: every value equals ``values[0]``, which is sent once. ``index_coding="golomb"``
     codes the (ascending) indices as Golomb-Rice gaps with the parameter for ``count / numel``.
     """
-    if constant:
-        values = values[:1]
+    if constant:  # one shared value, none when there are no positions
+        values = values[:1] if indices.numel() else values[:0]
     elif indices.numel() != values.numel():
         raise ValueError("indices and values differ in length")
     if values.dtype not in _VALUE_CODE:
@@ -132,8 +132,9 @@ class Payload:
     nonfinite: bool = False  # the sender saw NaN/Inf and sent nothing
 
 
-def decode_one(buf: torch.Tensor, offset: int, host: np.ndarray):
-    """Decode the payload at ``offset`` (``host`` is the buffer's bytes on the host).
+def decode_one(buf: torch.Tensor, offset: int, host: np.ndarray, numel: int = 2**62):
+    """Decode the payload at ``offset`` (``host`` is the buffer's bytes on the host); at most
+    ``numel`` entries are accepted.
 
     Returns the payload, its fingerprint and the offset just past it.
     """
@@ -148,11 +149,19 @@ def decode_one(buf: torch.Tensor, offset: int, host: np.ndarray):
             or icode not in (0, 1, GOLOMB) or count < 0:
         raise PayloadError(f"not an hvd_sparse payload at byte {offset} "
                            f"(magic {magic:#x}, version {version})")
+    if count > numel:
+        raise PayloadError(f"payload at byte {offset} claims {count} entries, more than the "
+                           f"bucket's {numel}")
     vdt = _VALUE_DTYPES[vcode]
     pos = offset + HEADER_BYTES
     if icode == GOLOMB:
-        stream_bytes, b = GOLOMB_EXT.unpack(host[pos:pos + GOLOMB_EXT.size].tobytes())
+        ext = host[pos:pos + GOLOMB_EXT.size].tobytes()
+        if len(ext) < GOLOMB_EXT.size:
+            raise PayloadError(f"buffer ends inside the Golomb-Rice header at byte {pos}")
+        stream_bytes, b = GOLOMB_EXT.unpack(ext)
         pos += GOLOMB_EXT.size
+        if pos + stream_bytes > buf.numel():
+            raise PayloadError(f"Golomb-Rice stream at byte {pos} runs past the buffer end")
         try:
             idx_np = golomb.decode(host[pos:pos + stream_bytes].tobytes(), count, b)
         except (ValueError, IndexError) as e:
@@ -167,7 +176,7 @@ def decode_one(buf: torch.Tensor, offset: int, host: np.ndarray):
                                "past the buffer end")
         indices = buf[pos:pos + ib].view(idt).to(torch.int64)
     pos += ib + _pad8(ib)
-    nvals = 1 if constant else count
+    nvals = min(count, 1) if constant else count
     vb = nvals * _size(vdt)
     if pos + vb > buf.numel():
         raise PayloadError(f"payload at byte {offset} claims {count} entries, past the buffer end")
@@ -186,14 +195,24 @@ def decode_all(buf: torch.Tensor, ranks: int, *, tag: int, numel: int, bucket: s
     host = (buf if buf.device.type == "cpu" else buf.cpu()).numpy()
     payloads, offset = [], 0
     for r in range(ranks):
-        payload, got_tag, offset = decode_one(buf, offset, host)
+        try:
+            payload, got_tag, offset = decode_one(buf, offset, host, numel)
+        except PayloadError as e:
+            raise PayloadError(f"rank {r}'s payload for bucket '{bucket}': {e}") from None
         if got_tag != (tag & 0xFFFFFFFF):
             raise PayloadError(
                 f"rank {r} sent a different bucket than this rank expects for '{bucket}' "
                 f"({numel} entries): the ranks disagree on parameter names, shapes, dtypes or "
                 "bucketing options")
-        if payload.indices.numel() and int(payload.indices.max()) >= numel:
-            raise PayloadError(f"rank {r} sent an index past the end of bucket '{bucket}'")
+        idx = payload.indices
+        if idx.numel():
+            # positions must be in range, ascending and unique (the scatter relies on it)
+            if int(idx[0]) < 0 or int(idx[-1]) >= numel:
+                raise PayloadError(f"rank {r} sent an index outside bucket '{bucket}' "
+                                   f"(0..{numel - 1})")
+            if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+                raise PayloadError(f"rank {r} sent unsorted or repeated indices for bucket "
+                                   f"'{bucket}'")
         payloads.append(payload)
     if offset != buf.numel():
         raise PayloadError(f"{buf.numel() - offset} unexplained bytes after {ranks} payloads "

@@ -16,7 +16,7 @@ from ..compat import Compression
 from ..sparsifiers import Sparsifier, make_sparsifier
 
 COST_MODELS = ("time", "bytes", "off")
-NONFINITE = ("raise", "skip", "ignore")
+NONFINITE = ("propagate", "raise", "skip", "ignore")
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class EngineConfig:
     calibration_steps: int = 3
     recalibrate_every: int = 0
     value_dtype: Optional[torch.dtype] = None
-    nonfinite: str = "raise"
+    nonfinite: str = "propagate"
     verify_every: int = 0
     check_config: bool = True
 
@@ -145,7 +145,8 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
                                                        torch.float32, torch.float64):
         raise ValueError(f"value_dtype must be a floating torch dtype, got {value_dtype!r}")
     if nonfinite not in NONFINITE:
-        raise ValueError(f"nonfinite must be 'raise', 'skip' or 'ignore', got {nonfinite!r}")
+        raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, "
+                         f"got {nonfinite!r}")
     _nonneg_int("verify_every", verify_every)
     if local_steps > 1 and backward_passes_per_step != 1:
         raise ValueError("local_steps > 1 (communication delay) and backward_passes_per_step > 1 "

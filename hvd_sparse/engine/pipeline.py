@@ -30,7 +30,7 @@ from ..dgc import clip_local, warmup_density
 from ..kernels import select as fused
 from ..sparsifiers import SelectionContext
 from ..stats import CommunicationStats
-from . import calibration
+from . import agreement, calibration
 from .config import EngineConfig
 from .stages import StageClock
 from .state import BucketState, InFlight
@@ -78,10 +78,16 @@ class Engine:
         self.calibrated_at: Optional[int] = None
         self._measured: Dict[int, float] = {}  # per bucket: least sparse compute seen
         self._wire_bytes: Dict[int, int] = {}  # per bucket: largest payload seen
-        self.config_checked = not config.check_config
+        # replicated state is compared (and, if it differs, taken from the root) before the
+        # first exchange, after load_state_dict and when the world size changes: agreement.py
+        self.agreement_due = True
+        self.agreement_root = 0
+        self._agreed_size: Optional[int] = None
         self.skip_step = False
-        self._snapshots = {}  # general path + nonfinite="skip": residuals before this step
+        self._snapshots = {}  # residuals a non-finite step must give back (plain path, flush)
+        self._sparsifier_snapshot = None  # sparsifier state at the start of the round
         self._local_nonfinite: List[str] = []
+        self._flag_at_exchange = False  # communication delay: a local step saw NaN/Inf
 
     # ----------------------------------------------------------------- small helpers
     def _ctx(self, b, direction):
@@ -121,6 +127,66 @@ class Engine:
                 copy(st.downlink.buffer), copy(st.velocity.velocity if st.velocity else None))
         return MappingProxyType(out)
 
+    # ----------------------------------------------------------------- agreement
+    def ensure_agreed(self) -> None:
+        """Run the cross-rank agreement when due (see :mod:`hvd_sparse.engine.agreement`)."""
+        size = self.transport.size()
+        if not self.agreement_due and size == self._agreed_size:
+            return
+        self.agreement_due = False
+        self._agreed_size = size
+        root, self.agreement_root = self.agreement_root, 0
+        if size == 1:
+            return
+        theirs = agreement.agree(self.transport,
+                                 self.describe() if self.config.check_config else None,
+                                 self.replicated_state(), root)
+        if theirs is not None:
+            self.load_replicated(theirs)
+
+    def request_agreement(self, root: int = 0) -> None:
+        """Compare replicated state across ranks before the next exchange, adopting ``root``'s
+        where it differs. Must be called on every rank (``broadcast_optimizer_state`` does)."""
+        self.agreement_due = True
+        self.agreement_root = int(root)
+
+    def replicated_state(self) -> dict:
+        """What every rank holds identically (the tensors themselves, not copies)."""
+        return {
+            "steps": self.steps,
+            "local_count": self.local_count,
+            "calibrated_at": self.calibrated_at,
+            "buckets": {b.name: {"downlink": self.state[b.index].downlink.buffer,
+                                 "mode": self.state[b.index].mode,
+                                 "costs": dict(self.state[b.index].costs)}
+                        for b in self.buckets if b.sparse},
+            "anchors": {b.name: self.state[b.index].anchor for b in self.buckets
+                        if self.state[b.index].anchor is not None},
+            "sparsifier": self.config.sparsifier.state_dict(),
+            "downlink_sparsifier": self.config.downlink_sparsifier.state_dict(),
+        }
+
+    def load_replicated(self, saved: dict) -> None:
+        """Adopt replicated state (from :meth:`replicated_state` or a checkpoint), each tensor
+        moved to the device of its bucket's parameters."""
+        buckets = saved["buckets"]
+        for b in self.buckets:
+            st = self.state[b.index]
+            device = b.params[0].device
+            if b.sparse:
+                entry = buckets[b.name]
+                d = entry["downlink"]
+                st.downlink.load(None if d is None else d.to(device))
+                st.mode = entry.get("mode", "sparse")
+                st.costs = dict(entry.get("costs", {}))
+            a = saved.get("anchors", {}).get(b.name)
+            st.anchor = None if a is None else a.to(device).clone()
+        self.steps = int(saved.get("steps", 0))
+        self.local_count = int(saved.get("local_count", 0))
+        self.calibrated_at = saved.get("calibrated_at")
+        self.config.sparsifier.load_state_dict(saved.get("sparsifier", {}))
+        self.config.downlink_sparsifier.load_state_dict(saved.get("downlink_sparsifier", {}))
+
     # ----------------------------------------------------------------- uplink
     def gradient(self, b):
         """The bucket's gradient as one flat vector, read where it lies: a view of ``p.grad``
@@ -150,6 +216,12 @@ class Engine:
             torch.cat(parts, out=flat)
         return flat, frozenset(sparse_ids)
 
+    def dense_flavour(self) -> str:
+        """``"gather"`` (allgather, rank-order sum: same bits every run) with
+        ``deterministic_dense`` at 3 or more ranks, else ``"reduce"`` (an allreduce)."""
+        return "gather" if (self.config.deterministic_dense and self.transport.size() > 2) \
+            else "reduce"
+
     def mode(self, b) -> Optional[str]:
         """How a bucket goes dense this step: ``None`` (it does not), ``"gather"`` or
         ``"reduce"``. A dense exchange is an allreduce, except with ``deterministic_dense`` at 3
@@ -157,7 +229,7 @@ class Engine:
         an allgather and a sum in rank order."""
         c = self.config
         size = self.transport.size()
-        dense = "gather" if (c.deterministic_dense and size > 2) else "reduce"
+        dense = self.dense_flavour()
         if not b.sparse or self.steps < c.dense_warmup_steps:
             return dense
         if c.cost_model == "time":
@@ -176,9 +248,12 @@ class Engine:
         """Run a bucket's uplink and start its collective (``flat``: given by the
         communication-delay path; otherwise the gradients are read)."""
         c = self.config
-        if not self.config_checked:
-            self.config_checked = True
-            safety.check_same_config(self.transport, self.describe())
+        self.ensure_agreed()
+        if self._sparsifier_snapshot is None and c.nonfinite != "ignore":
+            # a non-finite step must leave stateful methods (adaptive k) as they were on
+            # every rank, also on those that selected normally
+            self._sparsifier_snapshot = (c.sparsifier.state_dict(),
+                                         c.downlink_sparsifier.state_dict())
         if flat is None:
             flat, sparse_ids = self.gradient(b)
         name = f"hvd_sparse.{b.index}.{b.name}"
@@ -220,10 +295,22 @@ class Engine:
         c = self.config
         if c.value_carrying_wire and values.dtype == b.dtype:
             return values, values, None
-        scaled = values.to(c.value_dtype or b.dtype)
+        wire_dtype = c.value_dtype or b.dtype
+        if torch.finfo(wire_dtype).max < torch.finfo(values.dtype).max:
+            # past the wire type's range (65504 in fp16) a finite value would arrive as Inf:
+            # send the largest finite value instead; error feedback keeps the rest
+            big = torch.finfo(wire_dtype).max
+            values_in_range = values.clamp(-big, big)
+        else:
+            values_in_range = values
+        scaled = values_in_range.to(wire_dtype)
         if c.average and c.predivide != 1.0:
             scaled = scaled * (1.0 / c.predivide)
         wire_values, ctx = c.compression.compress(scaled)
+        if wire_values.dtype != scaled.dtype and wire_values.dtype.is_floating_point \
+                and not _all_finite(wire_values) and _all_finite(scaled):
+            big = torch.finfo(wire_values.dtype).max  # the codec narrows (Compression.fp16)
+            wire_values, ctx = c.compression.compress(scaled.clamp(-big, big))
         sent = c.compression.decompress(wire_values, ctx).to(values.dtype)
         if c.average and c.predivide != 1.0:
             sent = sent * c.predivide
@@ -260,7 +347,7 @@ class Engine:
             if c.nonfinite != "ignore" and not _all_finite(flat):
                 self._send_nonfinite(b, flat, name, sparse_ids)
                 return
-            if c.nonfinite == "skip":
+            if c.nonfinite != "ignore":
                 self._snapshots[b.index] = (st.uplink.state(),
                                             st.velocity.state() if st.velocity else None)
             up_density, _ = self.densities()
@@ -286,15 +373,19 @@ class Engine:
         self.inflight[b.index] = InFlight("sparse", handle, ctx, payload.numel(), sparse_ids,
                                           idx.numel(), target, error, commit)
 
-    def _launch_dense(self, b, flat, sparse_ids, name, dense_mode):
+    def _launch_dense(self, b, flat, sparse_ids, name, dense_mode, flush=True):
         """A bucket that goes dense: like Horovod, one allreduce in place on the gradient.
 
         What error feedback holds (uplink residual, velocity) is flushed into the first dense
         exchange and the buffers are released, so later dense steps cost no extra pass."""
         c = self.config
         st = self.state[b.index]
-        if b.sparse and (st.uplink.buffer is not None
-                         or (st.velocity is not None and st.velocity.velocity is not None)):
+        if flush and b.sparse and (st.uplink.buffer is not None
+                                   or (st.velocity is not None
+                                       and st.velocity.velocity is not None)):
+            # kept until the step is known finite on every rank (a non-finite step rolls back)
+            self._snapshots[b.index] = (st.uplink.buffer,
+                                        st.velocity.state() if st.velocity else None)
             source = st.velocity.apply(flat) if st.velocity else flat
             flat = source + st.uplink.buffer.to(source.dtype) \
                 if st.uplink.buffer is not None else source.clone()
@@ -329,7 +420,7 @@ class Engine:
                 if bad_ranks:
                     bad[b.name] = bad_ranks
             if bad:
-                self._nonfinite(bad)
+                self._nonfinite(bad, received, write)
             else:
                 for b in self.buckets:
                     self._commit_uplink(b, write)
@@ -337,6 +428,7 @@ class Engine:
         finally:
             self.inflight.clear()
             self._snapshots.clear()
+            self._sparsifier_snapshot = None
             self._local_nonfinite = []
         self._end_step()
 
@@ -486,7 +578,8 @@ class Engine:
         if write == "delta":
             return self._write_delta(b, out)
         for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
-            if p.grad is not None and out.data_ptr() == p.grad.data_ptr() \
+            if p.grad is not None and not p.grad.is_sparse \
+                    and out.data_ptr() == p.grad.data_ptr() \
                     and out.dtype == p.grad.dtype and out.numel() == p.grad.numel():
                 continue  # reduced in place on p.grad: already there
             seg = out[off:off + hi - lo].to(p.dtype)
@@ -518,22 +611,48 @@ class Engine:
     def exchange_deltas(self):
         """Every bucket's change since the last exchange, sparsified with error feedback and
         averaged like a gradient; all ranks restart from ``anchor + averaged change``."""
+        self.ensure_agreed()  # the anchors must be the same before the deltas are taken
+        flagged, self._flag_at_exchange = self._flag_at_exchange, False
         for b in self.launch_order:
-            self.launch(b, self.flat_params(b) - self.state[b.index].anchor)
+            flat = self.flat_params(b) - self.state[b.index].anchor
+            if flagged:  # a local step saw NaN/Inf under "raise": every rank must learn it
+                self._send_nonfinite(b, flat, f"hvd_sparse.{b.index}.{b.name}", frozenset())
+            else:
+                self.launch(b, flat)
         self.finish("delta")
+
+    def local_step_finite(self) -> bool:
+        """Before a local step (communication delay): are this rank's gradients finite? If
+        not, the caller skips the step on this rank only, so no NaN/Inf reaches the weights;
+        under "raise" every rank raises at the next exchange. Always True for "ignore"."""
+        if self.config.nonfinite == "ignore":
+            return True
+        bad = [n for b in self.buckets for n, p in zip(b.names, b.params)
+               if p.grad is not None and not _all_finite(
+                   p.grad.coalesce().values() if p.grad.is_sparse else p.grad)]
+        if not bad:
+            return True
+        self._local_nonfinite += bad
+        self._flag_at_exchange |= self.config.nonfinite == "raise"
+        for b in self.buckets:
+            for p in b.params:
+                if p.grad is not None:
+                    p.grad = torch.zeros_like(p) if p.grad.is_sparse else p.grad.zero_()
+        return False
 
     def _write_delta(self, b, out):
         st = self.state[b.index]
-        new = st.anchor + out.to(st.anchor.dtype)
-        st.anchor = new
-        with torch.no_grad():
-            for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
-                p.view(-1)[lo:hi].copy_(new[off:off + hi - lo])
+        st.anchor = st.anchor + out.to(st.anchor.dtype)
+        self._restore_anchor(b)
 
     # ----------------------------------------------------------------- non-finite
-    def _nonfinite(self, bad: dict) -> None:
-        """Some rank's gradient held NaN/Inf: raise, or skip the step, the same on every rank.
-        Fused buckets never wrote their residuals; plain-path ones are rolled back."""
+    def _nonfinite(self, bad: dict, received: dict, write: str) -> None:
+        """Some rank's gradient held NaN/Inf (every rank knows it from the same bytes). Every
+        residual and the sparsifiers' state stay as they were before the step; then, by
+        ``nonfinite``: "propagate" writes into ``p.grad`` what dense Horovod would (the
+        average of the raw gradients, NaN/Inf included, so a loss scaler sees them and skips
+        the step), "skip" zeroes the gradients and skips the step, "raise" raises."""
+        c = self.config
         where = "; ".join(f"bucket '{name}' on rank(s) {ranks}" if ranks != [-1]
                           else f"bucket '{name}' (after the allreduce)"
                           for name, ranks in bad.items())
@@ -544,19 +663,50 @@ class Engine:
             st.uplink.load(res)
             if st.velocity is not None:
                 st.velocity.load(vel)
-        if self.config.nonfinite == "raise":
+        if self._sparsifier_snapshot is not None:
+            c.sparsifier.load_state_dict(self._sparsifier_snapshot[0])
+            c.downlink_sparsifier.load_state_dict(self._sparsifier_snapshot[1])
+        self.stats.nonfinite_steps += 1
+        if c.nonfinite == "raise":
             raise safety.NonFiniteGradientError(
                 f"non-finite gradient at step {self.steps}: {where}{mine}. Nothing of it "
-                "entered the residuals on any rank. Pass nonfinite='skip' to skip such steps "
-                "on all ranks instead (as a loss scaler does).")
+                "entered the residuals on any rank. Pass nonfinite='propagate' to hand it to "
+                "a loss scaler as dense Horovod does, or 'skip' to skip such steps.")
+        if c.nonfinite == "propagate" and write == "grads":
+            self._exchange_raw(received)
+            return
         for b in self.buckets:
             for p in b.params:
                 if p.grad is not None:
                     p.grad = torch.zeros_like(p) if p.grad.is_sparse else p.grad.zero_()
+            if write == "delta" and self.state[b.index].anchor is not None:
+                self._restore_anchor(b)  # the weight change was not finite: start again
         self.skip_step = True
         self.stats.skipped += 1
         warnings.warn(f"skipping step {self.steps} on every rank: non-finite gradient in "
                       f"{where}{mine}")
+
+    def _exchange_raw(self, received: dict) -> None:
+        """Dense Horovod's result for every bucket: buckets that went sparse are exchanged
+        again as the plain average of the raw gradients (no residual involved)."""
+        raw = [b for b in self.launch_order if self.inflight[b.index].kind == "sparse"]
+        raw_ids = {b.index for b in raw}
+        for b in raw:
+            flat, sparse_ids = self.gradient(b)
+            self._launch_dense(b, flat, sparse_ids, f"hvd_sparse.{b.index}.{b.name}.raw",
+                               self.dense_flavour(), flush=False)
+        for b in self.buckets:
+            if b.index in raw_ids:
+                (out, _), _ = self._receive(b)
+            else:
+                out = received[b.index][0]
+            self._write_dense(b, out, self.inflight[b.index].sparse_grads, "grads")
+
+    def _restore_anchor(self, b) -> None:
+        anchor = self.state[b.index].anchor
+        with torch.no_grad():
+            for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+                p.view(-1)[lo:hi].copy_(anchor[off:off + hi - lo])
 
     # ----------------------------------------------------------------- end of step
     def _end_step(self):
@@ -617,38 +767,34 @@ class Engine:
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         t = self.transport
-        return {
-            "format": STATE_FORMAT,
-            "world_size": t.size(),
-            "rank": t.rank(),
-            "steps": self.steps,
-            "local_count": self.local_count,
-            "buckets": {b.name: {"numel": b.numel,
-                                 "uplink": self.state[b.index].uplink.state(),
-                                 "downlink": self.state[b.index].downlink.state(),
-                                 "velocity": (self.state[b.index].velocity.state()
-                                              if self.state[b.index].velocity else None),
-                                 "mode": self.state[b.index].mode}
-                        for b in self.buckets if b.sparse},
-            "anchors": {b.name: self.state[b.index].anchor.clone()
-                        for b in self.buckets if self.state[b.index].anchor is not None},
-            "sparsifier": self.config.sparsifier.state_dict(),
-            "downlink_sparsifier": self.config.downlink_sparsifier.state_dict(),
-            "stats": self.stats.state_dict(),
-            "calibrated_at": self.calibrated_at,
-        }
+        rep = self.replicated_state()
+        for b in self.buckets:
+            if b.sparse:
+                st = self.state[b.index]
+                entry = rep["buckets"][b.name]
+                entry["numel"] = b.numel
+                entry["downlink"] = st.downlink.state()
+                entry["uplink"] = st.uplink.state()
+                entry["velocity"] = st.velocity.state() if st.velocity else None
+        rep["anchors"] = {k: v.clone() for k, v in rep["anchors"].items()}
+        rep.update({"format": STATE_FORMAT, "world_size": t.size(), "rank": t.rank(),
+                    "stats": self.stats.state_dict()})
+        return rep
 
     def load_state_dict(self, extra: dict) -> None:
         """Restore the engine's state. The rule for a state saved elsewhere:
 
         * saved by this rank in a job of the same size: everything is restored exactly;
         * saved by another rank, or by a job of another size (a rank-0 checkpoint loaded on all
-          ranks, ``broadcast_optimizer_state``, ``hvd.elastic`` sync after workers came or went):
-          the replicated parts (downlink residuals, counters, sparsifier state, cost-model
-          choices) are restored and this rank keeps its *own* uplink residuals as they are in
-          memory (zeros in a fresh process). The uplink residual of a rank that is gone (a
-          departed elastic worker) is lost: its unsent gradient mass is dropped, a bounded loss
-          of small entries.
+          ranks, ``hvd.elastic`` after workers came or went): the replicated parts (downlink
+          residuals, counters, sparsifier state, cost-model choices) are restored and this rank
+          keeps its *own* uplink residuals and velocity as they are in memory (zeros in a fresh
+          process). The uplink residual of a rank that is gone (a departed elastic worker) is
+          lost: its unsent gradient mass is dropped, a bounded loss of small entries.
+
+        Before the next exchange the ranks compare their replicated state and adopt rank 0's
+        where it differs (:mod:`hvd_sparse.engine.agreement`), so loading on rank 0 only and
+        then calling ``broadcast_optimizer_state`` on every rank leaves all replicas equal.
         """
         t = self.transport
         if extra.get("format") != STATE_FORMAT:
@@ -672,28 +818,22 @@ class Engine:
                 f"rank {t.rank()} of {t.size()}: downlink residuals and counters restored; this "
                 "rank's uplink residuals start from zero (save one state dict per rank to keep "
                 "them)")
-        for bname, b in mine.items():
-            st = self.state[b.index]
-            st.downlink.load(saved[bname]["downlink"])
-            st.mode = saved[bname].get("mode", "sparse")
-            if own:
-                st.uplink.load(saved[bname]["uplink"])
+        self.load_replicated(extra)
+        if own:
+            for bname, b in mine.items():
+                st = self.state[b.index]
+                up = saved[bname]["uplink"]
+                st.uplink.load(None if up is None else up.to(b.params[0].device))
                 if st.velocity is not None:
-                    st.velocity.load(saved[bname].get("velocity"))
-        anchors = extra.get("anchors", {})
-        for b in self.buckets:
-            a = anchors.get(b.name)
-            self.state[b.index].anchor = None if a is None else a.clone()
-        self.local_count = int(extra.get("local_count", 0))
-        self.config.sparsifier.load_state_dict(extra.get("sparsifier", {}))
-        self.config.downlink_sparsifier.load_state_dict(extra.get("downlink_sparsifier", {}))
-        self.steps = int(extra.get("steps", 0))
-        self.calibrated_at = extra.get("calibrated_at")
+                    v = saved[bname].get("velocity")
+                    st.velocity.load(None if v is None else v.to(b.params[0].device))
         self.stats.load_state_dict(extra.get("stats", {}))
+        self.agreement_due = True
 
     def reset_round(self):
         self.inflight.clear()
         self._snapshots.clear()
+        self._sparsifier_snapshot = None
 
 
 def _all_finite(t: torch.Tensor) -> bool:

@@ -16,6 +16,11 @@ The rule implemented here, per bucket:
   left and ``r_t`` the steps left, and never more than leaves ``k_min`` for each remaining step,
   so the total never exceeds ``B`` (after ``total_steps`` it falls back to ``k_min``).
 
+Without ``total_steps`` (a run of unknown length) the budget accrues at ``density * n`` per step
+and is planned over a rolling horizon of ``horizon`` steps: the same rule with ``R_t`` the budget
+accrued so far plus the horizon's, and ``r_t = horizon``, so the long-run average stays
+``density``.
+
 ``gamma`` sets how strongly k follows the error (0 gives an even spread, i.e. plain Top-K).
 """
 from __future__ import annotations
@@ -31,12 +36,17 @@ from .base import Sparsifier, k_for_density, topk_indices
 class AdaptiveTopK(Sparsifier):
     name = "adaptive"
 
-    def __init__(self, total_steps: int, min_density: float = None, max_density: float = None,
-                 gamma: float = 1.0, ema: float = 0.9):
-        if not isinstance(total_steps, int) or total_steps <= 0:
-            raise ValueError(f"adaptive Top-K needs total_steps > 0 (the run's length over which "
-                             f"the budget is spent), got {total_steps!r}")
+    def __init__(self, total_steps: int = None, min_density: float = None,
+                 max_density: float = None, gamma: float = 1.0, ema: float = 0.9,
+                 horizon: int = 100):
+        if total_steps is not None and (isinstance(total_steps, bool) or
+                                        not isinstance(total_steps, int) or total_steps <= 0):
+            raise ValueError(f"adaptive Top-K takes total_steps > 0 (the run's length over "
+                             f"which the budget is spent) or None, got {total_steps!r}")
+        if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon <= 0:
+            raise ValueError(f"horizon must be a positive int, got {horizon!r}")
         self.total_steps = total_steps
+        self.horizon = horizon
         self.min_density = min_density
         self.max_density = max_density
         self.gamma = float(gamma)
@@ -49,20 +59,24 @@ class AdaptiveTopK(Sparsifier):
         """The average density that spends ``total_bytes`` per rank over ``total_steps``."""
         return total_bytes / (total_steps * model_numel * bytes_per_entry)
 
+    _FRESH = {"spent": 0, "steps": 0, "signal": None, "mean": None, "last_k": 0}
+
     def _state(self, bucket):
-        return self.buckets.setdefault(bucket, {"spent": 0, "steps": 0, "signal": None,
-                                                "mean": None, "last_k": 0})
+        return self.buckets.setdefault(bucket, dict(self._FRESH))
 
     def k_for_step(self, numel: int, density: float, bucket: str) -> int:
-        st = self._state(bucket)
+        st = self.buckets.get(bucket) or self._FRESH  # read only
         lo_d = self.min_density if self.min_density is not None else density / 10
         hi_d = self.max_density if self.max_density is not None else min(1.0, density * 10)
         k_min, k_max = k_for_density(numel, lo_d), k_for_density(numel, hi_d)
-        budget = density * numel * self.total_steps
-        left_steps = self.total_steps - st["steps"]
-        if left_steps <= 0:
-            return k_min
-        left = budget - st["spent"]
+        if self.total_steps is None:  # rolling horizon: the budget accrues step by step
+            left_steps = self.horizon
+            left = density * numel * (st["steps"] + self.horizon) - st["spent"]
+        else:
+            left_steps = self.total_steps - st["steps"]
+            if left_steps <= 0:
+                return k_min
+            left = density * numel * self.total_steps - st["spent"]
         ratio = 1.0
         if st["signal"] is not None and st["mean"]:
             ratio = (st["signal"] / st["mean"]) ** self.gamma
@@ -89,7 +103,8 @@ class AdaptiveTopK(Sparsifier):
         return sel
 
     def target_count(self, numel, density, ctx):
-        return self._state(ctx.bucket)["last_k"] or None
+        # the k this step would take (read-only): a dense step must not freeze the choice
+        return self.k_for_step(numel, density, ctx.bucket)
 
     observes = True
 
@@ -107,5 +122,6 @@ class AdaptiveTopK(Sparsifier):
         self.buckets = {b: dict(v) for b, v in state.get("buckets", {}).items()}
 
     def __repr__(self):
-        return (f"AdaptiveTopK(total_steps={self.total_steps}, gamma={self.gamma}, "
+        return (f"AdaptiveTopK(total_steps={self.total_steps}, horizon={self.horizon}, "
+                f"gamma={self.gamma}, "
                 f"min_density={self.min_density}, max_density={self.max_density})")

@@ -1,0 +1,106 @@
+"""A Horovod user's patterns on real 2-rank jobs: resume from rank 0's checkpoint, GradScaler,
+non-finite gradients under every policy, sparse embeddings (tests/workers/dropin_scenarios.py)."""
+import pytest
+
+from conftest import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+CONFIGS = [("mpirun", 2, "horovod"), ("mpirun", 2, "mpi")]
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=[f"{l}-np{n}-{b}" for l, n, b in CONFIGS])
+def dropin(request, tmp_path_factory):
+    launcher, np_, backend = request.param
+    request.getfixturevalue("mpi4py_available" if backend == "mpi" else "mpi_available")
+    out = tmp_path_factory.mktemp(f"dropin-{backend}")
+    proc, results = run_ranks(launcher, np_, "dropin_scenarios.py", out, timeout=400,
+                              env={"HVD_SPARSE_TEST_BACKEND": backend})
+    for r in results:
+        assert "errors" not in r, f"rank {r['rank']} failed:\n" + "\n".join(r["errors"].values())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return results
+
+
+def _keys(results, prefix):
+    keys = sorted({k.rsplit("_", 1)[0] for k in results[0] if k.startswith(prefix)
+                   and k.endswith("_steps")})
+    assert keys, f"no {prefix} results"
+    return keys
+
+
+def test_resume_from_rank0_checkpoint_with_broadcast_optimizer_state(dropin):
+    """Horovod's broadcast_optimizer_state (and hvd_sparse's) after rank 0 alone loaded: no
+    hang, base state equal, and hvd_sparse's replicated state is rank 0's on every rank."""
+    for key in _keys(dropin, "resume_"):
+        for r in dropin:
+            assert r[f"{key}_base_state_equal"] and r[f"{key}_base_state_nonempty"], key
+            saved, now = r[f"{key}_steps"]
+            assert now == saved + 1, (key, saved, now)  # counters continue from rank 0's
+            assert r[f"{key}_params_equal"], key
+            assert r[f"{key}_downlink_equal"], key
+            assert r[f"{key}_sparsifier_equal"] and r[f"{key}_sparsifier_kept"], key
+            assert r[f"{key}_then_equal"], key
+
+
+def test_broadcast_optimizer_state_mid_run_reunites_replicas(dropin):
+    for r in dropin:
+        assert r["midrun_steps"] == 5  # rank 0's old state (4 steps) plus one
+        assert r["midrun_params_equal"] and r["midrun_downlink_equal"]
+
+
+def test_gradscaler_sees_overflow_on_every_rank(dropin):
+    """The default policy hands an overflow on one rank to every rank's p.grad: each scaler
+    skips the step and halves its scale; residuals are untouched; training goes on."""
+    for r in dropin:
+        assert r["amp_nonfinite_grads"] == [i == 3 for i in range(8)]
+        assert r["amp_stepped"] == [i != 3 for i in range(8)]
+        scales = r["amp_scales"]
+        assert scales[3] == scales[2] / 2 and scales[0] == scales[2] == 2.0 ** 10
+        assert r["amp_uplink_untouched"] and r["amp_downlink_untouched"]
+        assert r["amp_residuals_finite"] and r["amp_params_finite"]
+        assert r["amp_params_equal"]
+        assert r["amp_stats_nonfinite"] >= 1
+    assert len({tuple(r["amp_scales"]) for r in dropin}) == 1
+
+
+@pytest.mark.parametrize("case", ["adaptive_skip", "sbc_skip", "sbc_raise",
+                                  "gaussiank_propagate", "momentum_propagate"])
+def test_nonfinite_policy_is_the_same_on_every_rank(dropin, case):
+    # every rank did the same thing (the message also names what this rank saw)
+    errors = {(r[f"nf_{case}_error"] or "").split(":")[0] or None for r in dropin}
+    assert len(errors) == 1, errors
+    (error,) = errors
+    if case.endswith("_raise"):
+        assert error == "NonFiniteGradientError", error
+    else:
+        assert error is None, error
+    for r in dropin:
+        assert r[f"nf_{case}_uplink_rolled_back"]
+        assert r[f"nf_{case}_sparsifier_rolled_back"]
+        assert r[f"nf_{case}_then_equal"]
+        if not case.endswith("_propagate"):  # propagate applies the NaN, as dense Horovod
+            assert r[f"nf_{case}_finite"]
+
+
+def test_skip_on_a_dense_bucket_keeps_its_residual(dropin):
+    for r in dropin:
+        assert r["dense_skip_uplink_kept"]
+        assert r["dense_skip_flushed_after"]
+        assert r["dense_skip_equal"]
+
+
+def test_local_steps_never_apply_a_nonfinite_gradient(dropin):
+    for r in dropin:
+        assert r["local_nan_finite"] and r["local_nan_equal"]
+
+
+@pytest.mark.parametrize("scope", ["tensor", "model"])
+def test_sparse_embedding_with_nan_on_one_rank(dropin, scope):
+    for r in dropin:
+        assert r[f"emb_{scope}_skip_errors"] == []
+        assert r[f"emb_{scope}_skip_finite"] and r[f"emb_{scope}_skip_equal"]
+        assert r[f"emb_{scope}_raise_errors"] == ["NonFiniteGradientError"]
+        assert r[f"emb_{scope}_raise_equal"]
+        assert r[f"emb_{scope}_propagate_errors"] == []
+        assert r[f"emb_{scope}_propagate_finite_flags"] == [False] * len(dropin)

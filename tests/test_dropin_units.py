@@ -1,0 +1,247 @@
+"""Single-process regressions for drop-in behaviour: LR schedulers made before wrapping, fp16 on
+the wire, adaptive Top-K's defaults, payload validation, MPI layout helpers, NaN under "ignore",
+and the class Horovod's broadcast_optimizer_state recognises."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hvd_sparse
+from hvd_sparse import wire
+from hvd_sparse.sparsifiers import AdaptiveTopK, SelectionContext
+from hvd_sparse.transport import LocalTransport, cuda_in_library_version, gatherv_layout
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
+
+
+def _wrap(m, base=None, **kw):
+    kw.setdefault("density", 0.1)
+    kw.setdefault("min_sparse_numel", 0)
+    kw.setdefault("cost_model", "off")
+    base = base or torch.optim.SGD(m.parameters(), lr=0.1)
+    return hvd_sparse.DistributedOptimizer(base, named_parameters=m.named_parameters(),
+                                           transport=LocalTransport(), **kw)
+
+
+def _train(m, opt, steps, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 3, (16,), generator=g)
+        opt.zero_grad()
+        (scale * F.cross_entropy(m(x), y)).backward()
+        opt.step()
+
+
+def test_lr_scheduler_made_before_wrapping_keeps_the_exchange():
+    m = _net()
+    base = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
+    opt = _wrap(m, base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        for _ in range(3):
+            _train(m, opt, 1)
+            sched.step()
+    assert opt.communication_stats()["steps"] == 3  # every step went through the exchange
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+
+
+def test_class_is_recognised_by_horovods_broadcast_optimizer_state():
+    """Horovod initialises a fresh optimizer's state with the base step() (no collective) only
+    for optimizers whose module is its DistributedOptimizer's."""
+    m = _net()
+    opt = _wrap(m, torch.optim.Adam(m.parameters(), lr=0.01))
+    assert opt.__module__ == "horovod.torch.optimizer"
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    super(opt.__class__, opt).step()  # what Horovod's function calls
+    assert len(opt.state_dict()["state"]) == 4
+    assert opt.communication_stats()["steps"] == 0  # no exchange happened
+
+
+def test_fp16_wire_overflow_stays_finite_and_keeps_the_mass():
+    m = _net()
+    opt = _wrap(m, value_dtype=torch.float16)
+    _train(m, opt, 3, scale=1e7)  # gradients far past fp16's 65504
+    assert all(bool(torch.isfinite(p).all()) for p in m.parameters())
+    for v in opt.engine_state().values():
+        if v.sparse:
+            assert bool(torch.isfinite(v.uplink).all()) and bool(torch.isfinite(v.downlink).all())
+            assert float(v.uplink.abs().max()) > 65504  # the clipped part waits in the residual
+
+
+def test_fp16_compression_overflow_stays_finite():
+    m = _net()
+    opt = _wrap(m, compression=hvd_sparse.compat.Compression.fp16)
+    _train(m, opt, 3, scale=1e7)
+    assert all(bool(torch.isfinite(p).all()) for p in m.parameters())
+
+
+def test_adaptive_without_total_steps_spends_its_average_budget():
+    sp = AdaptiveTopK()  # the run's length is unknown: a rolling horizon
+    n, density = 10_000, 0.01
+    spent = 0
+    for t in range(300):
+        k = sp.k_for_step(n, density, "b")
+        sp._take("b", k)
+        sp.observe(torch.randn(50) * (1 + (t % 7)), SelectionContext("b"))
+        spent += k
+    assert abs(spent / (300 * n) - density) < 0.1 * density
+
+
+def test_adaptive_with_bytes_fallback_comes_back_from_dense():
+    """target_count is the k this step would take, so one dense step does not freeze it."""
+    sp = AdaptiveTopK(total_steps=100)
+    ctx = SelectionContext("b")
+    assert sp.target_count(1000, 0.01, ctx) == sp.k_for_step(1000, 0.01, "b") == 10
+    sp._take("b", 100)  # a large step: the budget left shrinks, and so does the next target
+    assert sp.target_count(1000, 0.01, ctx) < 10
+    assert "b" in sp.buckets and sp.target_count(1000, 0.01, SelectionContext("c")) == 10
+    assert "c" not in sp.buckets  # reading the target changes no state
+
+
+def test_adaptive_observe_is_the_same_for_any_thread_count():
+    x = torch.randn(3_000_000, generator=torch.Generator().manual_seed(1))
+    out = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            sp = AdaptiveTopK(total_steps=10)
+            sp.observe(x, SelectionContext("b"))
+            out.append(sp.buckets["b"]["signal"])
+    finally:
+        torch.set_num_threads(threads)
+    assert out[0] == out[1]
+
+
+def _payload(idx, vals, numel=100, coding="plain", constant=False, nonfinite=False):
+    return wire.encode(torch.tensor(idx, dtype=torch.int64), torch.tensor(vals),
+                       index_dtype=torch.int32, tag=wire.fingerprint("b", numel), numel=numel,
+                       index_coding=coding, constant=constant, nonfinite=nonfinite)
+
+
+def _decode(buf, numel=100, ranks=1):
+    return wire.decode_all(buf, ranks, tag=wire.fingerprint("b", numel), numel=numel,
+                           bucket="b")
+
+
+@pytest.mark.parametrize("case,match", [
+    ("negative", "outside bucket"), ("unsorted", "unsorted or repeated"),
+    ("duplicate", "unsorted or repeated"), ("huge_count", "more than the bucket"),
+    ("truncated_golomb", "Golomb"), ("truncated_header", "header"),
+])
+def test_malformed_payloads_end_in_payload_error_naming_rank_and_bucket(case, match):
+    good = _payload([1, 5, 9], [1.0, 2.0, 3.0])
+    if case == "negative":
+        buf = _payload([-3, 5, 9], [1.0, 2.0, 3.0])
+    elif case == "unsorted":
+        buf = _payload([5, 1, 9], [1.0, 2.0, 3.0])
+    elif case == "duplicate":
+        buf = _payload([1, 5, 5], [1.0, 2.0, 3.0])
+    elif case == "huge_count":
+        buf = good.clone()
+        buf[8:16] = torch.tensor([2**40], dtype=torch.int64).view(torch.uint8)
+    elif case == "truncated_golomb":
+        buf = _payload([1, 5, 9], [1.0, 2.0, 3.0], coding="golomb")[:20]
+    else:
+        buf = good[:10]
+    bufs = torch.cat([good, buf])
+    with pytest.raises(wire.PayloadError, match=match) as e:
+        _decode(bufs, ranks=2)
+    assert "rank 1" in str(e.value) and "'b'" in str(e.value)
+
+
+def test_flagged_empty_constant_payload_round_trips():
+    """SBC's payload when its gradient held NaN: no positions, no mean, the flag set."""
+    buf = _payload([], [], constant=True, nonfinite=True)
+    (p,) = _decode(buf)
+    assert p.nonfinite and p.indices.numel() == 0 and p.values.numel() == 0
+    (q,) = _decode(_payload([2, 7], [0.5, 0.5], constant=True))
+    assert q.values.tolist() == [0.5, 0.5]
+
+
+def test_gatherv_layout_fits_mpi_int_counts():
+    unit, counts, displs = gatherv_layout([8, 16, 24])
+    assert unit == 1 and counts.tolist() == [8, 16, 24] and displs.tolist() == [0, 8, 24]
+    big = [3 * 2**30, 3 * 2**30]  # 6 GiB in all: past 2**31 - 1 in bytes
+    unit, counts, displs = gatherv_layout(big)
+    assert unit > 1 and int(displs[-1] + counts[-1]) * unit == sum(big)
+    assert max(int(displs[-1] + counts[-1]), *counts.tolist()) <= 2**31 - 1
+    with pytest.raises(ValueError, match="int counts"):
+        gatherv_layout([2**31 + 1, 2**31])
+
+
+def test_cuda_awareness_is_not_fooled_by_without_cuda():
+    assert not cuda_in_library_version("Open MPI v4.1.4, configured --without-cuda")
+    assert not cuda_in_library_version("Open MPI v4.1.4, package: Debian OpenMPI")
+    assert cuda_in_library_version("MVAPICH2-GDR 2.3.7 (CUDA 12.2)")
+
+
+def test_nan_under_ignore_matches_the_torch_reference(monkeypatch):
+    """The fused CPU Top-K hands a vector with NaN to the plain path, so the result is the
+    torch reference's, NaN included, on every backend."""
+    out = []
+    for kernels in ("numba", "torch"):
+        if kernels == "torch":
+            monkeypatch.setenv("HVD_SPARSE_KERNELS", "torch")
+        m = _net()
+        opt = _wrap(m, nonfinite="ignore", density=0.05)
+        _train(m, opt, 2)
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 3, (16,), generator=g)
+        x[0, :4] = float("nan")
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+        out.append([p.detach().clone() for p in m.parameters()])
+    for a, b in zip(*out):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+def test_checkpoint_loaded_with_map_location_keeps_training():
+    """Anchors and velocity are moved to the parameters' device on load (here CPU to CPU; the
+    CUDA case needs a GPU)."""
+    m = _net()
+    opt = _wrap(m, momentum_correction=0.9, local_steps=2)
+    _train(m, opt, 4)
+    sd = torch.load(__import__("io").BytesIO(_save(opt.state_dict())), map_location="cpu",
+                    weights_only=False)
+    m2 = _net()
+    opt2 = _wrap(m2, momentum_correction=0.9, local_steps=2)
+    opt2.load_state_dict(sd)
+    _train(m2, opt2, 2)
+    assert all(bool(torch.isfinite(p).all()) for p in m2.parameters())
+
+
+def _save(obj):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_default_nonfinite_policy_is_amp_compatible():
+    import inspect
+
+    sig = inspect.signature(hvd_sparse.DistributedOptimizer)
+    assert sig.parameters["nonfinite"].default == "propagate"
+    m = _net()
+    opt = _wrap(m)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 32, generator=g), torch.randint(0, 3, (16,), generator=g)
+    x[0, 0] = float("inf")
+    opt.zero_grad()
+    F.cross_entropy(m(x), y).backward()
+    opt.synchronize()
+    assert any(not bool(torch.isfinite(p.grad).all()) for p in m.parameters())
+    assert all(v.uplink is None or bool(torch.isfinite(v.uplink).all())
+               for v in opt.engine_state().values())
+    assert opt.communication_stats()["nonfinite_steps"] == 1

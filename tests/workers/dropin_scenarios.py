@@ -1,0 +1,351 @@
+"""Drop-in scenarios (run by tests/test_dropin.py): the patterns a Horovod user already has -
+resume from rank 0's checkpoint with broadcast_optimizer_state, GradScaler through an overflow,
+non-finite gradients under every policy and sparsifier, sparse embeddings. Each rank writes
+OUTDIR/rank<r>.json; a hang shows up as the launcher's timeout."""
+import copy
+import hashlib
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+BACKEND = os.environ.get("HVD_SPARSE_TEST_BACKEND", "horovod")
+if BACKEND == "mpi":
+    sys.modules["horovod"] = None  # the mpi4py path never needs Horovod
+    import hvd_sparse.mpi as hvd
+else:
+    import hvd_sparse as hvd
+
+torch.set_num_threads(1)
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+
+def batch(i):
+    g = torch.Generator().manual_seed(i * 31 + hvd.rank())
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def step(m, opt, i, poison=None):
+    x, y = batch(i)
+    if poison is not None:  # reaches the gradients during backward, before any exchange
+        x[0, 0] = poison
+    opt.zero_grad()
+    F.cross_entropy(m(x), y).backward()
+    return opt.step()
+
+
+def make(m, base=None, **kw):
+    kw.setdefault("density", 0.1)
+    kw.setdefault("min_sparse_numel", 0)
+    kw.setdefault("cost_model", "off")
+    base = base or torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    return hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(), **kw)
+
+
+def digest(obj):
+    """sha256 of tensors (bits) and plain values, nested."""
+    h = hashlib.sha256()
+
+    def feed(o):
+        if isinstance(o, torch.Tensor):
+            h.update(str(o.dtype).encode() + o.detach().contiguous().reshape(-1)
+                     .view(torch.uint8).numpy().tobytes())
+        elif isinstance(o, dict):
+            for k in sorted(o, key=str):
+                h.update(str(k).encode())
+                feed(o[k])
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                feed(v)
+        else:
+            h.update(repr(o).encode())
+    feed(obj)
+    return h.hexdigest()
+
+
+def same_everywhere(obj) -> bool:
+    ds = hvd.allgather_object(digest(obj))
+    return all(d == ds[0] for d in ds)
+
+
+def params(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def uplinks(opt):
+    return [v.uplink for v in opt.engine_state().values() if v.sparse]
+
+
+def downlinks(opt):
+    return [v.downlink for v in opt.engine_state().values() if v.sparse]
+
+
+def broadcast_state(opt, how):
+    if how == "horovod":  # Horovod's own function, untouched
+        import horovod.torch as real
+
+        real.broadcast_optimizer_state(opt, root_rank=0)
+    else:  # hvd_sparse's (Horovod-backed or mpi4py)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
+}
+
+
+def scenario_resume_from_rank0(res):
+    """Rank 0 loads a checkpoint, the others start fresh, then broadcast_optimizer_state."""
+    hows = ["mpi"] if BACKEND == "mpi" else ["horovod", "hvd_sparse"]
+    for how in hows:
+        for oname, build in OPTIMIZERS.items():
+            key = f"resume_{how}_{oname}"
+            m = model()
+            opt = make(m, build(m.parameters()), sparsifier="adaptive")
+            for i in range(6):
+                step(m, opt, i)
+            ckpt = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict()})
+            saved = ckpt["opt"]["hvd_sparse"]
+            m2 = model(seed=100 + hvd.rank())  # the fresh ranks differ until the broadcast
+            opt2 = make(m2, build(m2.parameters()), sparsifier="adaptive")
+            if hvd.rank() == 0:
+                m2.load_state_dict(ckpt["model"])
+                opt2.load_state_dict(ckpt["opt"])
+            hvd.broadcast_parameters(m2.state_dict(), root_rank=0)
+            broadcast_state(opt2, how)
+            base = opt2.state_dict()
+            base.pop("hvd_sparse")
+            res[f"{key}_base_state_equal"] = same_everywhere(base)
+            res[f"{key}_base_state_nonempty"] = len(base["state"]) > 0
+            step(m2, opt2, 6)
+            sd = opt2.state_dict()["hvd_sparse"]
+            res[f"{key}_steps"] = [saved["steps"], sd["steps"]]
+            res[f"{key}_params_equal"] = same_everywhere(params(m2))
+            res[f"{key}_downlink_equal"] = same_everywhere(downlinks(opt2))
+            res[f"{key}_sparsifier_equal"] = same_everywhere(sd["sparsifier"])
+            res[f"{key}_sparsifier_kept"] = sd["sparsifier"]["buckets"]["0.weight"]["steps"] == \
+                saved["sparsifier"]["buckets"]["0.weight"]["steps"] + 1
+            for i in range(7, 10):
+                step(m2, opt2, i)
+            res[f"{key}_then_equal"] = same_everywhere(params(m2))
+
+
+def scenario_broadcast_mid_run(res):
+    """hvd_sparse's broadcast_optimizer_state in the middle of a run: rank 0 reloads an old
+    state, every rank calls the broadcast, replicas are equal again."""
+    if BACKEND != "mpi":
+        import horovod.torch as real
+    m = model()
+    opt = make(m)
+    for i in range(4):
+        step(m, opt, i)
+    old = copy.deepcopy(opt.state_dict())
+    old_model = copy.deepcopy(m.state_dict())
+    for i in range(4, 8):
+        step(m, opt, i)
+    if hvd.rank() == 0:
+        opt.load_state_dict(old)
+        m.load_state_dict(old_model)
+    (real if BACKEND != "mpi" else hvd).broadcast_parameters(m.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    step(m, opt, 8)
+    res["midrun_steps"] = opt.state_dict()["hvd_sparse"]["steps"]
+    res["midrun_params_equal"] = same_everywhere(params(m))
+    res["midrun_downlink_equal"] = same_everywhere(downlinks(opt))
+
+
+def scenario_gradscaler(res):
+    """torch.amp.GradScaler through an overflow on one rank, with the default policy and
+    Horovod's AMP pattern (synchronize, unscale_, skip_synchronize)."""
+    m = model()
+    opt = make(m)  # default nonfinite
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    scales, nonfinite_grads, stepped = [], [], []
+    for i in range(8):
+        x, y = batch(i)
+        if i == 3 and hvd.rank() == 1:
+            x[0, 0] = float("inf")
+        before = params(m).clone()
+        ups = [u.clone() for u in uplinks(opt) if u is not None]
+        downs = [d.clone() for d in downlinks(opt) if d is not None]
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(m(x), y)
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        nonfinite_grads.append(any(not bool(torch.isfinite(p.grad).all())
+                                   for p in m.parameters()))
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        stepped.append(not torch.equal(before, params(m)))
+        if i == 3:
+            res["amp_uplink_untouched"] = all(
+                torch.equal(a, b) for a, b in zip(ups, [u for u in uplinks(opt) if u is not None]))
+            res["amp_downlink_untouched"] = all(
+                torch.equal(a, b) for a, b in zip(downs, [d for d in downlinks(opt)
+                                                          if d is not None]))
+            res["amp_residuals_finite"] = all(bool(torch.isfinite(u).all())
+                                              for u in uplinks(opt) + downlinks(opt)
+                                              if u is not None)
+    res["amp_scales"] = scales
+    res["amp_nonfinite_grads"] = nonfinite_grads
+    res["amp_stepped"] = stepped
+    res["amp_params_equal"] = same_everywhere(params(m))
+    res["amp_params_finite"] = bool(torch.isfinite(params(m)).all())
+    res["amp_stats_nonfinite"] = opt.communication_stats()["nonfinite_steps"]
+
+
+def scenario_nonfinite_policies(res):
+    """NaN on rank 1 at step 3 under each policy and several sparsifiers: the same outcome on
+    every rank, residuals and sparsifier state as before the step, training goes on."""
+    cases = {
+        "adaptive_skip": dict(sparsifier="adaptive", nonfinite="skip", cost_model="bytes"),
+        "sbc_skip": dict(sparsifier="sbc", nonfinite="skip"),
+        "sbc_raise": dict(sparsifier="sbc", nonfinite="raise"),
+        "gaussiank_propagate": dict(sparsifier="gaussiank"),
+        "momentum_propagate": dict(momentum_correction=0.9),
+    }
+    for name, kw in cases.items():
+        m = model()
+        base = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.0 if "momentum" in name
+                               else 0.9)
+        opt = make(m, base, **kw)
+        for i in range(3):
+            step(m, opt, i)
+        ups = [u.clone() if u is not None else None for u in uplinks(opt)]
+        sp = copy.deepcopy(opt.state_dict()["hvd_sparse"]["sparsifier"])
+        try:
+            step(m, opt, 3, poison=float("nan") if hvd.rank() == 1 else None)
+            res[f"nf_{name}_error"] = None
+        except Exception as e:  # noqa: BLE001 - the type is part of the result
+            res[f"nf_{name}_error"] = f"{type(e).__name__}: {e}"
+        res[f"nf_{name}_uplink_rolled_back"] = all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(ups, uplinks(opt)))
+        res[f"nf_{name}_sparsifier_rolled_back"] = \
+            opt.state_dict()["hvd_sparse"]["sparsifier"] == sp
+        for i in range(4, 9):
+            step(m, opt, i)
+        res[f"nf_{name}_then_equal"] = same_everywhere(params(m)) and \
+            same_everywhere(opt.state_dict()["hvd_sparse"]["sparsifier"])
+        res[f"nf_{name}_finite"] = bool(torch.isfinite(params(m)).all())
+
+
+def scenario_dense_bucket_skip(res):
+    """A bucket the cost model sent dense after sparse steps flushes its residual; a NaN that
+    step must give the residual back (skip), on every rank."""
+    m = model()
+    opt = make(m, nonfinite="skip", cost_model="time", calibration_steps=1000)
+    for i in range(4):
+        step(m, opt, i)
+    sd = opt.state_dict()
+    for entry in sd["hvd_sparse"]["buckets"].values():
+        entry["mode"] = "dense"
+    opt.load_state_dict(sd)  # as if the cost model had chosen dense
+    ups = [u.clone() for u in uplinks(opt)]
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("ignore")
+        step(m, opt, 4, poison=float("nan") if hvd.rank() == 1 else None)
+    res["dense_skip_uplink_kept"] = all(u is not None and torch.equal(a, u)
+                                        for a, u in zip(ups, uplinks(opt)))
+    step(m, opt, 5)
+    res["dense_skip_flushed_after"] = all(u is None for u in uplinks(opt))
+    res["dense_skip_equal"] = same_everywhere(params(m))
+
+
+def scenario_local_steps_nan(res):
+    """Communication delay with a NaN local step on one rank: never applied, weights recover."""
+    m = model()
+    opt = make(m, local_steps=2, nonfinite="skip")
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    for i in range(8):
+        step(m, opt, i, poison=float("nan") if (i == 3 and hvd.rank() == 1) else None)
+    res["local_nan_finite"] = bool(torch.isfinite(params(m)).all())
+    res["local_nan_equal"] = same_everywhere(params(m))
+
+
+class EmbedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 8, sparse=True)
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, idx, poison=None):
+        e = self.emb(idx).mean(1)
+        if poison is not None:
+            e = e * poison
+        return self.out(e)
+
+
+def scenario_sparse_embedding(res):
+    """Sparse-gradient parameters: alone and in a bucket with dense ones (scope="model"),
+    with a NaN on one rank under each policy."""
+    for scope in ("tensor", "model"):
+        for policy in ("propagate", "skip", "raise"):
+            key = f"emb_{scope}_{policy}"
+            net = EmbedNet()
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                           named_parameters=net.named_parameters(),
+                                           density=0.2, min_sparse_numel=0, scope=scope,
+                                           cost_model="off", nonfinite=policy)
+            errors = []
+            for i in range(6):
+                g = torch.Generator().manual_seed(i * 7 + hvd.rank())
+                idx = torch.randint(0, 50, (4, 3), generator=g)
+                y = torch.randint(0, 4, (4,), generator=g)
+                poison = float("nan") if (i == 2 and hvd.rank() == 1) else None
+                opt.zero_grad()
+                F.cross_entropy(net(idx, poison), y).backward()
+                try:
+                    with __import__("warnings").catch_warnings():
+                        __import__("warnings").simplefilter("ignore")
+                        opt.step()
+                except Exception as e:  # noqa: BLE001
+                    errors.append(type(e).__name__)
+            res[f"{key}_errors"] = errors
+            if policy == "propagate":  # NaN reached the weights, as with dense Horovod
+                res[f"{key}_finite_flags"] = hvd.allgather_object(
+                    bool(torch.isfinite(params(net)).all()))
+            else:
+                res[f"{key}_finite"] = bool(torch.isfinite(params(net)).all())
+                res[f"{key}_equal"] = same_everywhere(params(net))
+
+
+SCENARIOS = [scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
+             scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
+             scenario_sparse_embedding]
+
+
+def main():
+    outdir = sys.argv[1]
+    only = set(sys.argv[2:])
+    hvd.init()
+    res = {"rank": hvd.rank(), "size": hvd.size()}
+    for fn in SCENARIOS:
+        if only and fn.__name__ not in only:
+            continue
+        try:
+            fn(res)
+        except Exception:
+            res.setdefault("errors", {})[fn.__name__] = traceback.format_exc()
+    with open(os.path.join(outdir, f"rank{hvd.rank()}.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
