@@ -255,7 +255,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     the aggregate on every rank, with a replicated residual), ``downlink_density`` (``None``: same
     as ``density``), ``sparsifier`` (name or :class:`hvd_sparse.Sparsifier`), ``scope``
     (``"tensor"``, ``"model"`` or ``"bucket"`` with ``bucket_cap_mb``), ``min_sparse_numel``
-    (smaller buckets are allreduced dense), ``max_bucket_numel`` (larger buckets, and
+    (smaller buckets go dense: see ``deterministic_dense``), ``max_bucket_numel`` (larger buckets, and
     parameters, are split into several), ``transport`` (a :class:`hvd_sparse.transport.Transport`;
     default Horovod's collectives).
 

@@ -245,3 +245,18 @@ def test_default_nonfinite_policy_is_amp_compatible():
     assert all(v.uplink is None or bool(torch.isfinite(v.uplink).all())
                for v in opt.engine_state().values())
     assert opt.communication_stats()["nonfinite_steps"] == 1
+
+
+@pytest.mark.parametrize("lam", [0.7, 0.1, 1 / 3, 2.0, 12345.678])
+def test_fused_threshold_takes_lambda_as_torch_does(lam):
+    """An entry equal to float32(lam) is selected exactly when the torch definition selects it
+    (float32(0.7) < 0.7: NumPy 2's promotion rules once made the fused path disagree)."""
+    from hvd_sparse.kernels import cpu, reference, select
+    from hvd_sparse.sparsifiers import HardThreshold
+
+    edge = float(np.float32(lam))
+    x = torch.tensor([0.0, edge, -edge, np.nextafter(np.float32(edge), np.float32(0)), 2 * lam],
+                     dtype=torch.float32)
+    want = HardThreshold(lam).select(x, 0.1, SelectionContext("b")).tolist()
+    for ops in (cpu, reference):
+        assert select.threshold(ops, None, x.clone(), lam).idx.tolist() == want

@@ -115,7 +115,7 @@ def test_fused_threaded_equals_definition(ops, threads):
 
 
 @pytest.mark.parametrize("ops", BACKENDS)
-@pytest.mark.parametrize("threshold", [0.0, 0.3, 1.0000001, 2.5, 1e9])
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 0.7, 1.0000001, 2.5, 1e9])
 def test_fused_threshold_equals_definition(ops, threshold):
     grad, res = inputs("random", 500_000, 3, device_of(ops))
     assert_same(*run_both(ops, HardThreshold(threshold), grad, res, 0.01, False), threshold)

@@ -93,23 +93,15 @@ def topk(ops, g, r, k: int) -> Selection:
 
 
 def threshold(ops, g, r, lam: float) -> Selection:
-    """Every entry with ``|acc| >= lam`` (``lam`` rounded up to the accumulation dtype, so the
-    comparison is exact for any Python float)."""
-    t = _round_up(lam, r.dtype)
+    """Every entry with ``|acc| >= lam``, ``lam`` taken in the accumulation dtype (rounded to
+    nearest, as torch's ``tensor >= float`` does): an explicit conversion, so the outcome does
+    not depend on NumPy's promotion rules for mixed scalars (which changed in NumPy 2)."""
+    t = _as_dtype(lam, r.dtype)
     s = ops.scan(g, r, t, t)
     if s.nonfinite:
         return _empty(r, True)
     idx, val = ops.gather(g, r, s)
     return Selection(idx, val, val, energy=s.energy)
-
-
-def _round_up(x: float, dtype):
-    if dtype != torch.float32:
-        return x
-    t = np.float32(x)
-    if t < x:
-        t = np.nextafter(t, INF)
-    return t
 
 
 def binary_mean(values: torch.Tensor) -> float:

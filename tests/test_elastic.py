@@ -1,0 +1,39 @@
+"""hvd.elastic with hvd_sparse: a real horovodrun job that grows from 2 to 3 workers and shrinks
+back (tests/workers/elastic_worker.py). Survivors and the joining worker must run the same
+collectives (no hang) and end with bitwise-equal parameters and replicated state."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import WORKERS, _env
+
+pytestmark = pytest.mark.multirank
+
+
+def test_elastic_join_and_removal_keep_replicas_identical(tmp_path, mpi_available):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    cmd = [str(horovodrun), "--network-interfaces", "lo", "-np", "2", "--min-np", "2",
+           "--max-np", "3", "--host-discovery-script", str(discover), sys.executable,
+           str(WORKERS / "elastic_worker.py"), str(tmp_path), str(hosts)]
+    try:
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"elastic job hung:\n{e.stdout}\n{e.stderr}")
+    results = []
+    for r in range(2):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote nothing:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        results.append(__import__("json").loads(path.read_text()))
+    for r in results:
+        assert 3 in r["sizes"], r["sizes"]  # a worker joined and trained
+        assert r["sizes"][:3] == [2, 2, 2] and r["sizes"][-1] == 2, r["sizes"]  # and left
+        assert r["params_equal"] and r["downlink_equal"] and r["steps_equal"], r
+        assert r["finite"]
+        assert r["steps"] == r["batch"]  # one exchange per batch, counters carried across

@@ -1,0 +1,85 @@
+"""An hvd.elastic job whose world grows from 2 to 3 workers and shrinks back (run by
+tests/test_elastic.py under ``horovodrun`` with a host-discovery script reading HOSTS_FILE).
+
+Rank 0 rewrites the hosts file to add a slot, then, once 3 workers train, to remove it. Each
+worker that finishes writes OUTDIR/rank<r>.json with the world sizes it trained at and whether
+parameters and hvd_sparse's replicated state were bitwise equal on every rank at the end."""
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import hvd_sparse as hvd
+
+torch.set_num_threads(1)
+OUTDIR, HOSTS_FILE = sys.argv[1], sys.argv[2]
+MAX_BATCHES = 400
+
+
+def digest(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        if t is not None:
+            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main():
+    hvd.init()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=m.named_parameters(), density=0.1,
+                                   min_sparse_numel=0, cost_model="off")
+    state = hvd.elastic.TorchState(model=m, optimizer=opt, batch=0, phase=0, sizes=[])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.batch < MAX_BATCHES:
+            g = torch.Generator().manual_seed(state.batch * 97 + hvd.rank())
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+            state.sizes.append(hvd.size())
+            state.batch += 1
+            if hvd.rank() == 0:
+                if state.phase == 0 and state.batch >= 3:
+                    with open(HOSTS_FILE, "w") as f:
+                        f.write("localhost:3\n")  # a worker joins
+                    state.phase = 1
+                elif state.phase == 1 and hvd.size() == 3 and state.sizes[-3:] == [3] * 3:
+                    with open(HOSTS_FILE, "w") as f:
+                        f.write("localhost:2\n")  # and leaves again
+                    state.phase = 2
+            state.phase = hvd.broadcast_object(state.phase, root_rank=0, name="phase")
+            if state.phase == 2 and hvd.size() == 2 and state.sizes[-5:] == [2] * 5 \
+                    and 3 in state.sizes:
+                break
+            time.sleep(0.05)
+            state.commit()
+
+    train(state)
+    engine = opt.engine_state()
+    own = {
+        "params": digest(list(m.parameters())),
+        "downlink": digest([v.downlink for v in engine.values() if v.sparse]),
+        "steps": opt.state_dict()["hvd_sparse"]["steps"],
+    }
+    everyone = hvd.allgather_object(own)
+    res = {"rank": hvd.rank(), "size": hvd.size(), "sizes": list(state.sizes),
+           "batch": state.batch, "steps": own["steps"],
+           "params_equal": all(e["params"] == own["params"] for e in everyone),
+           "downlink_equal": all(e["downlink"] == own["downlink"] for e in everyone),
+           "steps_equal": all(e["steps"] == own["steps"] for e in everyone),
+           "finite": all(bool(torch.isfinite(p).all()) for p in m.parameters())}
+    with open(os.path.join(OUTDIR, f"rank{hvd.rank()}.json"), "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()
