@@ -1,0 +1,50 @@
+"""With default options, hvd_sparse's optimizer passes what Horovod's own optimizer tests check
+(tests/workers/horovod_parity_scenarios.py, 2 ranks under mpirun)."""
+import pytest
+
+from conftest import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+SYNC_WARNING = "optimizer.step() called without optimizer.skip_synchronize()"
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory, mpi_available):
+    out = tmp_path_factory.mktemp("parity")
+    proc, results = run_ranks("mpirun", 2, "horovod_parity_scenarios.py", out, timeout=400)
+    for r in results:
+        assert "errors" not in r, f"rank {r['rank']} failed:\n" + "\n".join(r["errors"].values())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return results
+
+
+def test_broadcast_optimizer_state_for_every_torch_optimizer(parity):
+    for r in parity:
+        assert len(r["broadcast_state"]) >= 10
+        for name, got in r["broadcast_state"].items():
+            assert got["count"] == got["expected"] > 0, name
+            assert got["equal"] and got["types_equal"], name
+            # ASGD's replicas drift after this pattern with Horovod's own optimizer too
+            # (measured here with horovod.torch.DistributedOptimizer): not checked for it
+            if name != "ASGD":
+                assert got["trains_equal"], name
+
+
+def test_broadcast_optimizer_state_takes_rank0_hyperparameters_with_types(parity):
+    for r in parity:
+        assert r["broadcast_options"]
+        for name, got in r["broadcast_options"].items():
+            assert got["values_equal"] and got["types_equal"], name
+
+
+def test_frozen_integer_parameter_and_missing_gradient(parity):
+    for r in parity:
+        assert r["no_grad_a_grad_is_none"] and r["no_grad_b_grad_equal"]
+        assert r["force_allreduce_equal"]
+
+
+def test_synchronize_clip_skip_synchronize_and_the_step_warning(parity):
+    for r in parity:
+        assert r["clip_reduced"]
+        assert len(r["step_warnings"]) == 1 and SYNC_WARNING in r["step_warnings"][0]
