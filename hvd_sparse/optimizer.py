@@ -62,7 +62,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                     "locally.")
             self._hs_touched = True
             self._allreduce_delay[p] -= 1
-            if self._allreduce_delay[p] == 0 and self._hs_engine.config.local_steps == 1:
+            if self._allreduce_delay[p] == 0 and not self._hs_engine.config.exchanges_updates:
                 complete = False
                 for b in self._hs_buckets_of[p]:
                     self._hs_ready[b.index] += 1
@@ -102,9 +102,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if not self._hs_transport.included():
             self._synchronized = True
             return
-        if self._hs_engine.config.local_steps > 1:
+        if self._hs_engine.config.exchanges_updates:
             raise RuntimeError("synchronize() exchanges gradients, but this optimizer was made "
-                               "with local_steps > 1 and exchanges weight updates from step()")
+                               "with exchange='update' or local_steps > 1 and exchanges weight "
+                               "updates from step()")
         try:
             self._hs_engine.finish("grads")
         finally:
@@ -122,7 +123,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         engine = self._hs_engine
-        if engine.config.local_steps > 1:
+        if engine.config.exchanges_updates:
             return self._hs_local_step(closure)
         if self._should_synchronize:
             if self._synchronized:
@@ -236,7 +237,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          sparsifier="topk", threshold=None, total_steps=None, min_density=None,
                          max_density=None, sparsifier_options=None, index_coding=None,
                          momentum_correction=0.0, local_clip_norm=None, density_warmup_steps=0,
-                         dense_warmup_steps=0, local_steps=1, track_error=True,
+                         dense_warmup_steps=0, local_steps=1, exchange="gradient",
+                         track_error=True,
                          deterministic_dense=True, dense_fallback=True, cost_model="time",
                          calibration_steps=3, recalibrate_every=0, value_dtype=None,
                          nonfinite="propagate", verify_every=0, check_config=True,
@@ -265,7 +267,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     DGC's aids: ``momentum_correction`` (velocity factor, with masking; use a base optimizer
     without momentum), ``local_clip_norm``, ``density_warmup_steps``, ``dense_warmup_steps``.
     ``local_steps`` > 1 is SBC's communication delay: that many local steps, then the accumulated
-    weight update is exchanged instead of gradients. ``track_error`` keeps the per-step
+    weight update is exchanged instead of gradients. ``exchange="update"`` does that every step:
+    each rank steps the wrapped optimizer on its own gradient and the weight change is sparsified
+    (error feedback included) and averaged, so adaptive optimizers see dense gradients; their
+    state is then per rank, and ``p.grad`` stays the local gradient. ``track_error`` keeps the per-step
     compression error ``||acc - sent||^2`` in the statistics (one extra pass per bucket).
     ``deterministic_dense`` (default) exchanges dense buckets by allgather and a rank-order sum,
     so results do not depend on how Horovod fuses and reduces (with 3 or more ranks an allreduce's
@@ -307,7 +312,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         sparsifier_options=sparsifier_options, index_coding=index_coding,
         momentum_correction=momentum_correction, local_clip_norm=local_clip_norm,
         density_warmup_steps=density_warmup_steps, dense_warmup_steps=dense_warmup_steps,
-        local_steps=local_steps, track_error=track_error, deterministic_dense=deterministic_dense,
+        local_steps=local_steps, exchange=exchange, track_error=track_error,
+        deterministic_dense=deterministic_dense,
         dense_fallback=dense_fallback, cost_model=cost_model,
         calibration_steps=calibration_steps, recalibrate_every=recalibrate_every,
         value_dtype=value_dtype, nonfinite=nonfinite, verify_every=verify_every,

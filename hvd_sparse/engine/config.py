@@ -16,6 +16,7 @@ from ..compat import Compression
 from ..sparsifiers import Sparsifier, make_sparsifier
 
 COST_MODELS = ("time", "bytes", "off")
+EXCHANGES = ("gradient", "update")
 NONFINITE = ("propagate", "raise", "skip", "ignore")
 
 
@@ -37,6 +38,7 @@ class EngineConfig:
     density_warmup_steps: int = 0
     dense_warmup_steps: int = 0
     local_steps: int = 1
+    exchange: str = "gradient"  # or "update": each rank's optimizer step is what is exchanged
     track_error: bool = True
     deterministic_dense: bool = True
     cost_model: str = "time"
@@ -56,6 +58,12 @@ class EngineConfig:
             v = getattr(self, f.name)
             out[f.name] = v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
         return out
+
+    @property
+    def exchanges_updates(self) -> bool:
+        """Weight updates (after a local optimizer step) are exchanged from ``step()``, not
+        gradients from the backward hooks: ``exchange="update"`` or ``local_steps > 1``."""
+        return self.exchange == "update" or self.local_steps > 1
 
     @property
     def value_carrying_wire(self) -> bool:
@@ -89,7 +97,7 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
                  sparse_as_dense, density, bidirectional, downlink_density, sparsifier,
                  threshold, total_steps, min_density, max_density, sparsifier_options,
                  index_coding, momentum_correction, local_clip_norm, density_warmup_steps,
-                 dense_warmup_steps, local_steps, track_error, deterministic_dense,
+                 dense_warmup_steps, local_steps, track_error, exchange, deterministic_dense,
                  dense_fallback, cost_model, calibration_steps, recalibrate_every, value_dtype,
                  nonfinite, verify_every, check_config) -> EngineConfig:
     """Validate the keywords of :func:`hvd_sparse.DistributedOptimizer` (clear errors naming
@@ -148,9 +156,11 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, "
                          f"got {nonfinite!r}")
     _nonneg_int("verify_every", verify_every)
-    if local_steps > 1 and backward_passes_per_step != 1:
-        raise ValueError("local_steps > 1 (communication delay) and backward_passes_per_step > 1 "
-                         "cannot be combined")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if (local_steps > 1 or exchange == "update") and backward_passes_per_step != 1:
+        raise ValueError("exchanging weight updates (local_steps > 1 or exchange='update') and "
+                         "backward_passes_per_step > 1 cannot be combined")
     if cost_model not in COST_MODELS:
         raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
     if not dense_fallback:
@@ -164,7 +174,7 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
         index_coding=index_coding, momentum_correction=float(momentum_correction),
         local_clip_norm=local_clip_norm, density_warmup_steps=density_warmup_steps,
-        dense_warmup_steps=dense_warmup_steps, local_steps=local_steps,
+        dense_warmup_steps=dense_warmup_steps, local_steps=local_steps, exchange=exchange,
         track_error=bool(track_error), deterministic_dense=bool(deterministic_dense),
         cost_model=cost_model, calibration_steps=calibration_steps,
         recalibrate_every=recalibrate_every, value_dtype=value_dtype, nonfinite=nonfinite,

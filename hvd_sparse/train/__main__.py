@@ -50,6 +50,15 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="per rank")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--base-optimizer", default="sgd", choices=["sgd", "adamw"],
+                   help="the optimizer wrapped: SGD with momentum (lr scaled by the rank count) "
+                        "or AdamW with --warmup-steps of linear warm-up and cosine decay")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW only")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--seq-len", type=int, default=None, help="shakespeare only")
+    p.add_argument("--exchange", default="gradient", choices=["gradient", "update"],
+                   help="what hvd_sparse sparsifies: gradients (Horovod's contract) or each "
+                        "rank's optimizer update")
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N images")
     p.add_argument("--test-limit", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
@@ -122,6 +131,8 @@ def build_optimizer(args, model, base, hvd):
         extra["threshold"] = args.threshold if args.threshold is not None else 1e-3
     if args.sparsifier == "adaptive":
         extra["total_steps"] = max(1, args.total_steps)
+    if args.exchange == "update":
+        extra["exchange"] = "update"
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                     sparsifier=args.sparsifier, density=args.density,
                                     bidirectional=args.bidirectional,
@@ -154,12 +165,18 @@ def main(argv=None):
     rank, size = hvd.rank(), hvd.size()
     work = WORKLOADS[args.dataset](model=args.model, batch_size=args.batch_size,
                                    train_limit=args.train_limit, test_limit=args.test_limit,
-                                   steps_per_epoch=args.steps_per_epoch, seed=args.seed)
+                                   steps_per_epoch=args.steps_per_epoch, seed=args.seed,
+                                   seq_len=args.seq_len)
     steps_per_epoch = work.steps_per_epoch(size)
     args.total_steps = steps_per_epoch * args.epochs
     torch.manual_seed(args.seed)
     model = work.model()
-    base = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=args.momentum)
+    if args.base_optimizer == "adamw":
+        base = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    else:
+        base = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=args.momentum)
+    schedule = _schedule(base, args.warmup_steps, args.total_steps) \
+        if args.base_optimizer == "adamw" else None
     opt = build_optimizer(args, model, base, hvd)
     if args.optimizer != "local":
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -178,6 +195,8 @@ def main(argv=None):
         loss = work.loss(model(x), y)
         loss.backward()
         opt.step()
+        if schedule is not None:
+            schedule.step()
         return loss.item()
 
     if args.benchmark_steps:
@@ -195,7 +214,7 @@ def main(argv=None):
     start, steps, records = time.perf_counter(), 0, []
     for epoch in range(args.epochs):
         bar = None
-        if show:
+        if show and sys.stdout.isatty():
             from tqdm import tqdm
             bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}",
                        unit="step", file=sys.stdout, mininterval=1.0)
@@ -207,6 +226,10 @@ def main(argv=None):
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{running:.3f}", refresh=False)
+            elif show and _progress_due(step, steps_per_epoch):
+                # launchers hold back carriage returns: plain lines every 5% instead
+                print(f"epoch {epoch + 1}/{args.epochs}: step {step + 1}/{steps_per_epoch}, "
+                      f"loss {running:.3f}, {time.perf_counter() - start:.0f} s", flush=True)
         if bar is not None:
             bar.close()
         rec = {"epoch": epoch + 1, "steps": steps, "wall_s": round(time.perf_counter() - start, 3),
@@ -244,6 +267,24 @@ def main(argv=None):
     if args.optimizer != "local":
         hvd.shutdown()
     return records
+
+
+def _progress_due(step: int, total: int, every: float = 0.05) -> bool:
+    """True at the steps that complete another ``every`` of the epoch (and at its end)."""
+    stride = max(1, int(total * every))
+    return (step + 1) % stride == 0 or step + 1 == total
+
+
+def _schedule(base, warmup: int, total: int):
+    """Linear warm-up over ``warmup`` steps, then cosine decay to zero at ``total``."""
+    import math
+
+    def factor(step):
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        span = max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / span)))
+    return torch.optim.lr_scheduler.LambdaLR(base, factor)
 
 
 def _benchmark(args, one_step, rank, size, n_params, opt):

@@ -80,4 +80,25 @@ class CharLSTM(nn.Module):
         return self.head(out)
 
 
+class CharTransformer(nn.Module):
+    """A small causal character-level Transformer (pre-norm, learned positions)."""
+
+    def __init__(self, vocab, d_model=128, heads=4, layers=3, ff=512, max_len=256):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.zeros(max_len, d_model))
+        nn.init.normal_(self.pos, std=0.02)
+        layer = nn.TransformerEncoderLayer(d_model, heads, ff, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = torch.triu(torch.full((t, t), float("-inf"), device=x.device), diagonal=1)
+        h = self.blocks(self.embed(x) + self.pos[:t], mask=mask, is_causal=True)
+        return self.head(self.norm(h))
+
+
 MODELS = {"resnet": SmallResNet, "cnn": SimpleCNN, "mlp11m": WideMLP}

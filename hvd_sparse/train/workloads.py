@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from . import data
-from .models import MODELS, CharLSTM
+from .models import MODELS, CharLSTM, CharTransformer
 
 
 class FashionMNIST:
@@ -68,8 +68,11 @@ class Shakespeare:
 
     def __init__(self, model="lstm", batch_size=32, seq_len=64, steps_per_epoch=200,
                  valid_windows=64, seed=0, **_):
-        if model != "lstm":
-            raise ValueError(f"--model {model} does not fit {self.name}; use --model lstm")
+        seq_len = seq_len or 64
+        if model not in ("lstm", "transformer"):
+            raise ValueError(f"--model {model} does not fit {self.name}; use --model lstm or "
+                             "transformer")
+        self.model_name = model
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self._steps = steps_per_epoch
         self.train_ids, self.valid_ids, self.vocab = data.shakespeare()
@@ -78,6 +81,8 @@ class Shakespeare:
         self.xv, self.yv = xv, yv
 
     def model(self):
+        if self.model_name == "transformer":
+            return CharTransformer(len(self.vocab), max_len=max(256, self.seq_len))
         return CharLSTM(len(self.vocab))
 
     def steps_per_epoch(self, size):
