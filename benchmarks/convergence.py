@@ -20,6 +20,11 @@ Levers, each with its reason:
   SGD with sparse updates does (Shi et al.'s and SBC's delayed weight-update exchange);
 * ``unidirectional`` (``bidirectional=False``): whether the downlink re-sparsification costs
   quality (Zou et al. bound its extra error);
+* ``global`` (``scope="model"``): one Top-K over all parameters instead of one per tensor, so
+  layers compete for the budget (global Top-K as analysed by Shi et al., 2019, against DGC's
+  layer-wise selection);
+* ``warmup`` (``density_warmup_steps`` = 10% of the run): DGC's exponentially decaying density
+  (Lin et al., ICLR 2018), so the first steps, when gradients change fastest, are nearly dense;
 * density 1% and 0.1%.
 
 Writes ``benchmarks/results/convergence.json`` (every evaluation of every run, bytes, wall time,
@@ -39,6 +44,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = str(ROOT / ".venv" / "bin" / "python")
 
 
+def levers(steps):
+    warm = ["--density-warmup-steps", str(max(1, steps // 10))]
+    grad, update = ["--exchange", "gradient"], ["--exchange", "update"]
+    return {
+        "dense": ["--optimizer", "dense"],
+        "topk1%-grad": ["--density", "0.01", *grad],
+        "topk1%-update": ["--density", "0.01", *update],
+        "topk1%-grad-unidirectional": ["--density", "0.01", *grad, "--no-bidirectional"],
+        "topk1%-update-unidirectional": ["--density", "0.01", *update, "--no-bidirectional"],
+        "topk1%-grad-warmup": ["--density", "0.01", *grad, *warm],
+        "topk1%-update-warmup": ["--density", "0.01", *update, *warm],
+        "topk1%-update-global": ["--density", "0.01", *update, "--scope", "model"],
+        "topk0.1%-grad": ["--density", "0.001", *grad],
+        "topk0.1%-update": ["--density", "0.001", *update],
+    }
+
+
 def workloads(steps, evals):
     per = max(1, steps // evals)
     common = ["--dataset", "shakespeare", "--epochs", str(evals), "--steps-per-epoch", str(per),
@@ -49,16 +71,6 @@ def workloads(steps, evals):
                                  "--batch-size", "16", "--seq-len", "128"],
         "lstm": common + ["--model", "lstm"],
     }
-
-
-LEVERS = {
-    "dense": ["--optimizer", "dense"],
-    "topk1%-grad": ["--density", "0.01"],
-    "topk1%-update": ["--density", "0.01", "--exchange", "update"],
-    "topk1%-grad-unidirectional": ["--density", "0.01", "--no-bidirectional"],
-    "topk0.1%-grad": ["--density", "0.001"],
-    "topk0.1%-update": ["--density", "0.001", "--exchange", "update"],
-}
 
 
 def main():
@@ -73,10 +85,14 @@ def main():
     old = json.loads(path.read_text())["runs"] if path.exists() else {}
     results = dict(old)
     for wname, wargs in workloads(args.steps, args.evals).items():
-        for lname, largs in LEVERS.items():
+        for lname, largs in levers(args.steps).items():
             name = f"{wname}/{lname}"
             if args.only and name not in args.only:
                 continue
+            if args.seed:
+                name += f"@seed{args.seed}"
+            if args.ranks != 2:
+                name += f"@{args.ranks}ranks"
             with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
                 cmd = [PY, "-m", "hvd_sparse.train", "--ranks", str(args.ranks), "--no-progress",
                        "--seed", str(args.seed), "--metrics", f.name, *wargs, *largs]
@@ -96,6 +112,7 @@ def main():
     save("convergence", {"machine": machine(), "runs": results})
     plot(results, RESULTS / "convergence.png")
     table(results)
+    seeds(results)
 
 
 def table(results):
@@ -104,13 +121,34 @@ def table(results):
     print("|---|---|---|---|---|")
     for name, run in results.items():
         w = name.split("/")[0]
-        dense = results.get(f"{w}/dense")
+        suffix = name.split("@", 1)[1] if "@" in name else None
+        dense = results.get(f"{w}/dense" + (f"@{suffix}" if suffix else ""))
         last = run["records"][-1]
         ref = dense["records"][-1]["valid_loss"] if dense else None
         rel = f"{100 * (last['valid_loss'] / ref - 1):+.1f}%" if ref else "-"
         print(f"| {name} | {last['valid_loss']:.3f} | {rel} | "
               f"{last['bytes_sent'] / 2**20:.1f} MiB | "
               f"{100 * last['bytes_sent'] / last['dense_bytes']:.1f}% |")
+
+
+def seeds(results):
+    """Mean (min..max) gap to dense over the seeds run at 2 ranks, per workload and lever."""
+    groups = {}
+    for name, run in results.items():
+        base, _, suffix = name.partition("@")
+        if suffix and not suffix.startswith("seed"):
+            continue
+        dense = results.get(name.replace(base, base.split("/")[0] + "/dense", 1))
+        if dense is None or base.endswith("/dense"):
+            continue
+        gap = run["records"][-1]["valid_loss"] / dense["records"][-1]["valid_loss"] - 1
+        groups.setdefault(base, []).append(100 * gap)
+    print("| run | seeds | gap to dense, mean (min..max) |")
+    print("|---|---|---|")
+    for base, gaps in groups.items():
+        if len(gaps) > 1:
+            print(f"| {base} | {len(gaps)} | {sum(gaps) / len(gaps):+.1f}% "
+                  f"({min(gaps):+.1f}..{max(gaps):+.1f}) |")
 
 
 def plot(results, path):
@@ -122,8 +160,8 @@ def plot(results, path):
     fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 4 * len(tasks)), squeeze=False)
     for row, task in enumerate(tasks):
         for name, run in results.items():
-            if not name.startswith(task + "/"):
-                continue
+            if not name.startswith(task + "/") or "@" in name:
+                continue  # the curves of the main setting (seed 0, 2 ranks)
             recs = run["records"]
             label = name.split("/", 1)[1]
             axes[row][0].plot([r["steps"] for r in recs], [r["valid_loss"] for r in recs], "-o",

@@ -16,6 +16,7 @@ import torch
 
 from . import buckets as bucketing
 from .engine import Engine, build_config
+from .engine.config import EXCHANGES, resolve_exchange
 from .transport import make_transport
 
 STATE_KEY = "hvd_sparse"
@@ -103,9 +104,15 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         if self._hs_engine.config.exchanges_updates:
-            raise RuntimeError("synchronize() exchanges gradients, but this optimizer was made "
-                               "with exchange='update' or local_steps > 1 and exchanges weight "
-                               "updates from step()")
+            # the exchange is of the update, in step(); gradients stay this rank's own. What
+            # must agree is whether any rank's gradient is non-finite, so that a loss scaler
+            # (unscale_ after synchronize) skips the step on every rank alike
+            try:
+                self._hs_engine.agree_gradients_finite()
+            finally:
+                self._hs_reset_round()
+            self._synchronized = True
+            return
         try:
             self._hs_engine.finish("grads")
         finally:
@@ -124,6 +131,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         engine = self._hs_engine
         if engine.config.exchanges_updates:
+            self._synchronized = False
             return self._hs_local_step(closure)
         if self._should_synchronize:
             if self._synchronized:
@@ -182,6 +190,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         out["stage_seconds"] = dict(engine.clock.last)
         out["totals"]["stage_seconds"] = dict(engine.clock.totals)
         out["cost_model"] = engine.cost_report()
+        out["exchange"] = "update" if engine.config.exchanges_updates else "gradient"
         return out
 
     def engine_state(self):
@@ -237,7 +246,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          sparsifier="topk", threshold=None, total_steps=None, min_density=None,
                          max_density=None, sparsifier_options=None, index_coding=None,
                          momentum_correction=0.0, local_clip_norm=None, density_warmup_steps=0,
-                         dense_warmup_steps=0, local_steps=1, exchange="gradient",
+                         dense_warmup_steps=0, local_steps=1, exchange="auto",
                          track_error=True,
                          deterministic_dense=True, dense_fallback=True, cost_model="time",
                          calibration_steps=3, recalibrate_every=0, value_dtype=None,
@@ -270,7 +279,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     weight update is exchanged instead of gradients. ``exchange="update"`` does that every step:
     each rank steps the wrapped optimizer on its own gradient and the weight change is sparsified
     (error feedback included) and averaged, so adaptive optimizers see dense gradients; their
-    state is then per rank, and ``p.grad`` stays the local gradient. ``track_error`` keeps the per-step
+    state is then per rank, ``p.grad`` stays the local gradient, and ``synchronize()`` only
+    agrees across ranks on whether a gradient is non-finite (for loss scalers).
+    ``exchange="auto"`` (default) picks ``"update"`` for adaptive optimizers (Adam, AdamW,
+    RMSprop, Adagrad, ... and their subclasses; measured in ``benchmarks/convergence.py``) and
+    ``"gradient"`` otherwise or with ``backward_passes_per_step > 1``. ``track_error`` keeps the per-step
     compression error ``||acc - sent||^2`` in the statistics (one extra pass per bucket).
     ``deterministic_dense`` (default) exchanges dense buckets by allgather and a rank-order sum,
     so results do not depend on how Horovod fuses and reduces (with 3 or more ranks an allreduce's
@@ -303,6 +316,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if is_sparse_optimizer(optimizer):
         raise TypeError("optimizer is already an hvd_sparse.DistributedOptimizer")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    exchange = resolve_exchange(exchange, optimizer, backward_passes_per_step, local_steps)
     config = build_config(
         op=op, gradient_predivide_factor=gradient_predivide_factor,
         backward_passes_per_step=backward_passes_per_step, compression=compression,

@@ -128,3 +128,33 @@ def test_engine_state_is_a_read_only_snapshot_and_cost_model_is_validated():
         hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
                                         named_parameters=m.named_parameters(),
                                         cost_model="fast", transport=LocalTransport())
+
+
+@pytest.mark.multirank
+def test_training_cli_transformer_adamw_update_exchange(tmp_path, mpi_available):
+    """The language-model workload end to end: char Transformer, AdamW with warm-up and
+    cosine decay, updates exchanged; rank 0 prints progress lines under a launcher."""
+    import subprocess
+
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = launch_command("mpirun", 2, "-m", "hvd_sparse.train", "--dataset", "shakespeare",
+                         "--model", "transformer", "--base-optimizer", "adamw", "--lr", "3e-3",
+                         "--warmup-steps", "4", "--batch-size", "4", "--seq-len", "32",
+                         "--epochs", "2", "--steps-per-epoch", "10", "--exchange", "update",
+                         "--cost-model", "off", "--metrics", metrics)
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["epoch"] for r in recs] == [1, 2] and recs[-1]["steps"] == 20
+    assert recs[-1]["valid_loss"] < recs[0]["valid_loss"] < 5.0  # it learns
+    assert recs[-1]["bytes_sent"] * 10 < recs[-1]["dense_bytes"]
+    assert "epoch 1/2: step 10/10" in proc.stdout  # progress without a terminal
+
+
+def test_progress_lines_every_five_percent():
+    from hvd_sparse.train.__main__ import _progress_due
+
+    due = [s for s in range(200) if _progress_due(s, 200)]
+    assert due == list(range(9, 200, 10))
+    assert [s for s in range(7) if _progress_due(s, 7)] == list(range(7))

@@ -49,19 +49,21 @@ def test_broadcast_optimizer_state_mid_run_reunites_replicas(dropin):
         assert r["midrun_params_equal"] and r["midrun_downlink_equal"]
 
 
-def test_gradscaler_sees_overflow_on_every_rank(dropin):
+@pytest.mark.parametrize("prefix", ["amp", "amp_update"])
+def test_gradscaler_sees_overflow_on_every_rank(dropin, prefix):
     """The default policy hands an overflow on one rank to every rank's p.grad: each scaler
-    skips the step and halves its scale; residuals are untouched; training goes on."""
+    skips the step and halves its scale; residuals are untouched; training goes on. Also with
+    exchange="update" (AdamW), where synchronize() agrees on finiteness only."""
     for r in dropin:
-        assert r["amp_nonfinite_grads"] == [i == 3 for i in range(8)]
-        assert r["amp_stepped"] == [i != 3 for i in range(8)]
-        scales = r["amp_scales"]
+        assert r[f"{prefix}_nonfinite_grads"] == [i == 3 for i in range(8)]
+        assert r[f"{prefix}_stepped"] == [i != 3 for i in range(8)]
+        scales = r[f"{prefix}_scales"]
         assert scales[3] == scales[2] / 2 and scales[0] == scales[2] == 2.0 ** 10
-        assert r["amp_uplink_untouched"] and r["amp_downlink_untouched"]
-        assert r["amp_residuals_finite"] and r["amp_params_finite"]
-        assert r["amp_params_equal"]
-        assert r["amp_stats_nonfinite"] >= 1
-    assert len({tuple(r["amp_scales"]) for r in dropin}) == 1
+        assert r[f"{prefix}_uplink_untouched"] and r[f"{prefix}_downlink_untouched"]
+        assert r[f"{prefix}_residuals_finite"] and r[f"{prefix}_params_finite"]
+        assert r[f"{prefix}_params_equal"]
+        assert r[f"{prefix}_stats_nonfinite"] >= 1
+    assert len({tuple(r[f"{prefix}_scales"]) for r in dropin}) == 1
 
 
 @pytest.mark.parametrize("case", ["adaptive_skip", "sbc_skip", "sbc_raise",
@@ -104,3 +106,9 @@ def test_sparse_embedding_with_nan_on_one_rank(dropin, scope):
         assert r[f"emb_{scope}_raise_equal"]
         assert r[f"emb_{scope}_propagate_errors"] == []
         assert r[f"emb_{scope}_propagate_finite_flags"] == [False] * len(dropin)
+
+
+def test_update_exchange_keeps_replicas_identical(dropin):
+    for r in dropin:
+        assert r["update_params_equal"] and r["update_moved"] > 1e-3
+        assert r["update_adam_state_per_rank"]  # each rank's AdamW saw its own gradients

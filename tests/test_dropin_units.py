@@ -260,3 +260,45 @@ def test_fused_threshold_takes_lambda_as_torch_does(lam):
     want = HardThreshold(lam).select(x, 0.1, SelectionContext("b")).tolist()
     for ops in (cpu, reference):
         assert select.threshold(ops, None, x.clone(), lam).idx.tolist() == want
+
+
+def test_update_exchange_at_full_density_follows_the_wrapped_optimizer():
+    """exchange="update": each rank steps its own AdamW and the weight change is exchanged; on
+    one rank at density 1 that is AdamW itself (up to the rounding of anchor + change)."""
+    m, ref = _net(), _net()
+    opt = _wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-2), exchange="update", density=1.0)
+    base = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 3, (16,), generator=g)
+        for model, o in ((m, opt), (ref, base)):
+            o.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            o.step()
+    for a, b in zip(m.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+    opt.zero_grad()
+    F.cross_entropy(m(x), y).backward()
+    before = [p.grad.clone() for p in m.parameters()]
+    opt.synchronize()  # gradients stay this rank's own: only finiteness is agreed
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, m.parameters()))
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        _wrap(_net(), exchange="weights")
+
+
+def test_exchange_auto_picks_updates_for_adaptive_optimizers():
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    def exchange(make_base, **kw):
+        m = _net()
+        return _wrap(m, make_base(m.parameters()), **kw).communication_stats()["exchange"]
+
+    assert exchange(lambda p: torch.optim.AdamW(p, lr=1e-3)) == "update"
+    assert exchange(lambda p: torch.optim.RMSprop(p, lr=1e-3)) == "update"
+    assert exchange(lambda p: MyAdam(p, lr=1e-3)) == "update"
+    assert exchange(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)) == "gradient"
+    assert exchange(lambda p: torch.optim.Adam(p, lr=1e-3), backward_passes_per_step=2) \
+        == "gradient"
+    assert exchange(lambda p: torch.optim.Adam(p, lr=1e-3), exchange="gradient") == "gradient"
+    assert exchange(lambda p: torch.optim.SGD(p, lr=0.1), exchange="update") == "update"

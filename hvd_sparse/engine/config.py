@@ -16,7 +16,27 @@ from ..compat import Compression
 from ..sparsifiers import Sparsifier, make_sparsifier
 
 COST_MODELS = ("time", "bytes", "off")
-EXCHANGES = ("gradient", "update")
+EXCHANGES = ("auto", "gradient", "update")
+
+
+def adaptive_optimizer_classes() -> tuple:
+    """torch's optimizers that scale each coordinate by its own gradient history."""
+    names = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop",
+             "Adafactor", "SparseAdam")
+    return tuple(getattr(torch.optim, n) for n in names if hasattr(torch.optim, n))
+
+
+def resolve_exchange(exchange: str, optimizer, backward_passes_per_step: int,
+                     local_steps: int) -> str:
+    """``"auto"``: exchange each rank's *update* for adaptive optimizers (Adam, AdamW, RMSprop,
+    ...), whose per-coordinate normalisation shrinks the rare, accumulated steps a sparse
+    gradient gives them (measured in benchmarks/convergence.py), and gradients otherwise
+    (Horovod's contract, kept for SGD and with gradient accumulation)."""
+    if exchange != "auto":
+        return exchange
+    if local_steps > 1 or backward_passes_per_step > 1:
+        return "gradient"
+    return "update" if isinstance(optimizer, adaptive_optimizer_classes()) else "gradient"
 NONFINITE = ("propagate", "raise", "skip", "ignore")
 
 
@@ -39,6 +59,7 @@ class EngineConfig:
     dense_warmup_steps: int = 0
     local_steps: int = 1
     exchange: str = "gradient"  # or "update": each rank's optimizer step is what is exchanged
+    # ("auto" is resolved from the wrapped optimizer before the configuration is built)
     track_error: bool = True
     deterministic_dense: bool = True
     cost_model: str = "time"
@@ -156,7 +177,7 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, "
                          f"got {nonfinite!r}")
     _nonneg_int("verify_every", verify_every)
-    if exchange not in EXCHANGES:
+    if exchange not in EXCHANGES or exchange == "auto":
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     if (local_steps > 1 or exchange == "update") and backward_passes_per_step != 1:
         raise ValueError("exchanging weight updates (local_steps > 1 or exchange='update') and "

@@ -621,6 +621,36 @@ class Engine:
                 self.launch(b, flat)
         self.finish("delta")
 
+    def agree_gradients_finite(self) -> None:
+        """``synchronize()`` when updates are exchanged: one tiny allreduce says whether any
+        rank's gradient holds NaN/Inf; if so, by ``nonfinite``: every rank's gradients become
+        NaN ("propagate", so each loss scaler skips the step and lowers its scale) or zero
+        ("skip", the local step is then skipped everywhere), or every rank raises."""
+        c = self.config
+        if c.nonfinite == "ignore" or self.transport.size() == 1 and c.nonfinite != "raise":
+            return
+        params = [p for b in self.buckets for p in b.params if p.grad is not None]
+        bad = [n for b in self.buckets for n, p in zip(b.names, b.params)
+               if p.grad is not None and not _all_finite(
+                   p.grad.coalesce().values() if p.grad.is_sparse else p.grad)]
+        flag = torch.tensor([float(len(bad) > 0)], dtype=torch.float32)
+        if self.transport.size() > 1:
+            flag = self.transport.wait(self.transport.allreduce_async(
+                flag, "hvd_sparse.finite", average=False))
+        if float(flag.sum()) == 0:
+            return
+        mine = f" (this rank: {', '.join(bad)})" if bad else ""
+        if c.nonfinite == "raise":
+            raise safety.NonFiniteGradientError(
+                f"non-finite gradient at step {self.steps} on {int(flag.sum())} rank(s){mine}")
+        fill = float("nan") if c.nonfinite == "propagate" else 0.0
+        for p in params:
+            if p.grad.is_sparse:
+                p.grad = torch.full_like(p, fill)
+            else:
+                p.grad.fill_(fill)
+        self.stats.nonfinite_steps += 1
+
     def local_step_finite(self) -> bool:
         """Before a local step (communication delay): are this rank's gradients finite? If
         not, the caller skips the step on this rank only, so no NaN/Inf reaches the weights;

@@ -56,9 +56,12 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW only")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--seq-len", type=int, default=None, help="shakespeare only")
-    p.add_argument("--exchange", default="gradient", choices=["gradient", "update"],
+    p.add_argument("--density-warmup-steps", type=int, default=0,
+                   help="DGC's warm-up: density decays geometrically from dense to --density")
+    p.add_argument("--dense-warmup-steps", type=int, default=0)
+    p.add_argument("--exchange", default="auto", choices=["auto", "gradient", "update"],
                    help="what hvd_sparse sparsifies: gradients (Horovod's contract) or each "
-                        "rank's optimizer update")
+                        "rank's optimizer update (auto: updates for adaptive optimizers)")
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N images")
     p.add_argument("--test-limit", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
@@ -131,8 +134,9 @@ def build_optimizer(args, model, base, hvd):
         extra["threshold"] = args.threshold if args.threshold is not None else 1e-3
     if args.sparsifier == "adaptive":
         extra["total_steps"] = max(1, args.total_steps)
-    if args.exchange == "update":
-        extra["exchange"] = "update"
+    extra["exchange"] = args.exchange
+    extra["density_warmup_steps"] = args.density_warmup_steps
+    extra["dense_warmup_steps"] = args.dense_warmup_steps
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                     sparsifier=args.sparsifier, density=args.density,
                                     bidirectional=args.bidirectional,
@@ -214,7 +218,9 @@ def main(argv=None):
     start, steps, records = time.perf_counter(), 0, []
     for epoch in range(args.epochs):
         bar = None
-        if show and sys.stdout.isatty():
+        # under a launcher stdout may be a pseudo-terminal, but carriage returns are held
+        # back: a bar only in an interactive, unlaunched run
+        if show and sys.stdout.isatty() and not _launched():
             from tqdm import tqdm
             bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}",
                        unit="step", file=sys.stdout, mininterval=1.0)

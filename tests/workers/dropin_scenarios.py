@@ -167,7 +167,13 @@ def scenario_gradscaler(res):
     """torch.amp.GradScaler through an overflow on one rank, with the default policy and
     Horovod's AMP pattern (synchronize, unscale_, skip_synchronize)."""
     m = model()
-    opt = make(m)  # default nonfinite
+    amp_run(res, "amp", make(m), m)  # default nonfinite
+    m = model()
+    amp_run(res, "amp_update",
+            make(m, torch.optim.AdamW(m.parameters(), lr=1e-2), exchange="update"), m)
+
+
+def amp_run(res, prefix, opt, m):
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
     scales, nonfinite_grads, stepped = [], [], []
@@ -192,20 +198,20 @@ def scenario_gradscaler(res):
         scales.append(scaler.get_scale())
         stepped.append(not torch.equal(before, params(m)))
         if i == 3:
-            res["amp_uplink_untouched"] = all(
+            res[f"{prefix}_uplink_untouched"] = all(
                 torch.equal(a, b) for a, b in zip(ups, [u for u in uplinks(opt) if u is not None]))
-            res["amp_downlink_untouched"] = all(
+            res[f"{prefix}_downlink_untouched"] = all(
                 torch.equal(a, b) for a, b in zip(downs, [d for d in downlinks(opt)
                                                           if d is not None]))
-            res["amp_residuals_finite"] = all(bool(torch.isfinite(u).all())
-                                              for u in uplinks(opt) + downlinks(opt)
-                                              if u is not None)
-    res["amp_scales"] = scales
-    res["amp_nonfinite_grads"] = nonfinite_grads
-    res["amp_stepped"] = stepped
-    res["amp_params_equal"] = same_everywhere(params(m))
-    res["amp_params_finite"] = bool(torch.isfinite(params(m)).all())
-    res["amp_stats_nonfinite"] = opt.communication_stats()["nonfinite_steps"]
+            res[f"{prefix}_residuals_finite"] = all(
+                bool(torch.isfinite(u).all()) for u in uplinks(opt) + downlinks(opt)
+                if u is not None)
+    res[f"{prefix}_scales"] = scales
+    res[f"{prefix}_nonfinite_grads"] = nonfinite_grads
+    res[f"{prefix}_stepped"] = stepped
+    res[f"{prefix}_params_equal"] = same_everywhere(params(m))
+    res[f"{prefix}_params_finite"] = bool(torch.isfinite(params(m)).all())
+    res[f"{prefix}_stats_nonfinite"] = opt.communication_stats()["nonfinite_steps"]
 
 
 def scenario_nonfinite_policies(res):
@@ -325,7 +331,20 @@ def scenario_sparse_embedding(res):
                 res[f"{key}_equal"] = same_everywhere(params(net))
 
 
-SCENARIOS = [scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
+def scenario_update_exchange(res):
+    """exchange="update" with AdamW: replicas stay bitwise identical, optimizer state per rank."""
+    m = model()
+    opt = make(m, torch.optim.AdamW(m.parameters(), lr=1e-2), exchange="update")
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    for i in range(12):
+        step(m, opt, i)
+    res["update_params_equal"] = same_everywhere(params(m))
+    res["update_moved"] = float((params(m) - params(model())).abs().max())
+    state = opt.state_dict()["state"][0]["exp_avg"]
+    res["update_adam_state_per_rank"] = not same_everywhere(state)
+
+
+SCENARIOS = [scenario_update_exchange, scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
              scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
              scenario_sparse_embedding]
 
