@@ -152,8 +152,6 @@ class MPITransport(Transport):
         return types[unit]
 
     def allreduce_async(self, tensor, name, *, average, prescale=1.0, postscale=1.0):
-        import numpy as np
-
         MPI = self.MPI
         work = self._staged(tensor).reshape(-1)
         wire_dtype = work.dtype

@@ -4,10 +4,8 @@ asserts on them. Every scenario runs on every rank, so a hang shows up as the la
 """
 import copy
 import hashlib
-import json
 import os
 import sys
-import traceback
 
 import numpy as np
 import torch
@@ -19,6 +17,8 @@ if BACKEND == "mpi":
     import hvd_sparse.mpi as hvd
 else:
     import hvd_sparse as hvd
+
+from scenario_runner import run_scenarios  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -376,22 +376,5 @@ SCENARIOS = [scenario_bad_input, scenario_reference, scenario_bitwise, scenario_
              scenario_dense_fallback, scenario_time_cost_model]
 
 
-def main():
-    outdir = sys.argv[1]
-    only = set(sys.argv[2:])
-    hvd.init()
-    res = {"size": hvd.size(), "rank": hvd.rank()}
-    for fn in SCENARIOS:
-        if only and fn.__name__ not in only:
-            continue
-        try:
-            fn(res)
-        except Exception:
-            res.setdefault("errors", {})[fn.__name__] = traceback.format_exc()
-    with open(os.path.join(outdir, f"rank{hvd.rank()}.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    hvd.shutdown()
-
-
 if __name__ == "__main__":
-    main()
+    run_scenarios(hvd, SCENARIOS)

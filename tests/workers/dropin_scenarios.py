@@ -4,10 +4,8 @@ non-finite gradients under every policy and sparsifier, sparse embeddings. Each 
 OUTDIR/rank<r>.json; a hang shows up as the launcher's timeout."""
 import copy
 import hashlib
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +16,8 @@ if BACKEND == "mpi":
     import hvd_sparse.mpi as hvd
 else:
     import hvd_sparse as hvd
+
+from scenario_runner import run_scenarios  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -349,22 +349,5 @@ SCENARIOS = [scenario_update_exchange, scenario_resume_from_rank0, scenario_broa
              scenario_sparse_embedding]
 
 
-def main():
-    outdir = sys.argv[1]
-    only = set(sys.argv[2:])
-    hvd.init()
-    res = {"rank": hvd.rank(), "size": hvd.size()}
-    for fn in SCENARIOS:
-        if only and fn.__name__ not in only:
-            continue
-        try:
-            fn(res)
-        except Exception:
-            res.setdefault("errors", {})[fn.__name__] = traceback.format_exc()
-    with open(os.path.join(outdir, f"rank{hvd.rank()}.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    hvd.shutdown()
-
-
 if __name__ == "__main__":
-    main()
+    run_scenarios(hvd, SCENARIOS)

@@ -2,16 +2,14 @@
 non-finite gradients, elastic state, checkpoints across rank counts. Each rank writes
 OUTDIR/rank<r>.json; every scenario runs on every rank with a timeout in the caller."""
 import copy
-import json
-import os
-import sys
-import traceback
 
 import torch
 import torch.nn.functional as F
 
 import hvd_sparse as hvd
 from hvd_sparse.safety import ConfigMismatchError, NonFiniteGradientError, ReplicaDivergenceError
+
+from scenario_runner import run_scenarios  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -164,19 +162,5 @@ SCENARIOS = [scenario_verify, scenario_mismatch, scenario_nonfinite, scenario_el
              scenario_checkpoint_other_size]
 
 
-def main():
-    outdir = sys.argv[1]
-    hvd.init()
-    res = {"rank": hvd.rank(), "size": hvd.size()}
-    for fn in SCENARIOS:
-        try:
-            fn(res)
-        except Exception:
-            res.setdefault("errors", {})[fn.__name__] = traceback.format_exc()
-    with open(os.path.join(outdir, f"rank{hvd.rank()}.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    hvd.shutdown()
-
-
 if __name__ == "__main__":
-    main()
+    run_scenarios(hvd, SCENARIOS)

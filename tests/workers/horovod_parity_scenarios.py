@@ -6,16 +6,14 @@ clipping, and the step-after-synchronize warning. Written here from the behaviou
 documents; each rank writes OUTDIR/rank<r>.json."""
 import copy
 import hashlib
-import json
-import os
-import sys
-import traceback
 import warnings
 
 import torch
 import torch.nn.functional as F
 
 import hvd_sparse as hvd
+
+from scenario_runner import run_scenarios  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -187,19 +185,5 @@ SCENARIOS = [scenario_broadcast_state_every_optimizer, scenario_broadcast_option
              scenario_synchronize_clip_and_warning]
 
 
-def main():
-    outdir = sys.argv[1]
-    hvd.init()
-    res = {"rank": hvd.rank(), "size": hvd.size()}
-    for fn in SCENARIOS:
-        try:
-            fn(res)
-        except Exception:
-            res.setdefault("errors", {})[fn.__name__] = traceback.format_exc()
-    with open(os.path.join(outdir, f"rank{hvd.rank()}.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    hvd.shutdown()
-
-
 if __name__ == "__main__":
-    main()
+    run_scenarios(hvd, SCENARIOS)
