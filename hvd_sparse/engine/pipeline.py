@@ -597,6 +597,16 @@ class Engine:
         return torch.cat([p.detach().reshape(-1)[lo:hi] for p, (lo, hi) in
                           zip(b.params, b.slices)]).to(aggregation.accumulation_dtype(b.dtype))
 
+    def weight_change(self, b):
+        """``params - anchor`` of a bucket, written into its reused flat buffer (no full-size
+        allocation per exchange)."""
+        anchor = self.state[b.index].anchor
+        out = self.state[b.index].flat_buffer(b.numel, anchor.dtype, anchor.device)
+        for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+            n = hi - lo
+            torch.sub(p.detach().reshape(-1)[lo:hi], anchor[off:off + n], out=out[off:off + n])
+        return out
+
     def local_step_done(self) -> bool:
         """Count a local step; True when it is time to exchange the weight change."""
         self.local_count += 1
@@ -614,7 +624,7 @@ class Engine:
         self.ensure_agreed()  # the anchors must be the same before the deltas are taken
         flagged, self._flag_at_exchange = self._flag_at_exchange, False
         for b in self.launch_order:
-            flat = self.flat_params(b) - self.state[b.index].anchor
+            flat = self.weight_change(b)
             if flagged:  # a local step saw NaN/Inf under "raise": every rank must learn it
                 self._send_nonfinite(b, flat, f"hvd_sparse.{b.index}.{b.name}", frozenset())
             else:
@@ -671,8 +681,7 @@ class Engine:
         return False
 
     def _write_delta(self, b, out):
-        st = self.state[b.index]
-        st.anchor = st.anchor + out.to(st.anchor.dtype)
+        self.state[b.index].anchor.add_(out)  # in place: the anchor is this engine's own
         self._restore_anchor(b)
 
     # ----------------------------------------------------------------- non-finite
