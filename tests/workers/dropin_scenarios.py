@@ -3,7 +3,6 @@ resume from rank 0's checkpoint with broadcast_optimizer_state, GradScaler throu
 non-finite gradients under every policy and sparsifier, sparse embeddings. Each rank writes
 OUTDIR/rank<r>.json; a hang shows up as the launcher's timeout."""
 import copy
-import hashlib
 import os
 import sys
 
@@ -17,7 +16,7 @@ if BACKEND == "mpi":
 else:
     import hvd_sparse as hvd
 
-from scenario_runner import run_scenarios  # noqa: E402
+import scenario_runner as runner  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -49,30 +48,8 @@ def make(m, base=None, **kw):
     return hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(), **kw)
 
 
-def digest(obj):
-    """sha256 of tensors (bits) and plain values, nested."""
-    h = hashlib.sha256()
-
-    def feed(o):
-        if isinstance(o, torch.Tensor):
-            h.update(str(o.dtype).encode() + o.detach().contiguous().reshape(-1)
-                     .view(torch.uint8).numpy().tobytes())
-        elif isinstance(o, dict):
-            for k in sorted(o, key=str):
-                h.update(str(k).encode())
-                feed(o[k])
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                feed(v)
-        else:
-            h.update(repr(o).encode())
-    feed(obj)
-    return h.hexdigest()
-
-
 def same_everywhere(obj) -> bool:
-    ds = hvd.allgather_object(digest(obj))
-    return all(d == ds[0] for d in ds)
+    return runner.same_everywhere(hvd, obj)
 
 
 def params(m):
@@ -350,4 +327,4 @@ SCENARIOS = [scenario_update_exchange, scenario_resume_from_rank0, scenario_broa
 
 
 if __name__ == "__main__":
-    run_scenarios(hvd, SCENARIOS)
+    runner.run_scenarios(hvd, SCENARIOS)

@@ -5,7 +5,6 @@ parameters, a parameter without a gradient on one rank, synchronize / skip_synch
 clipping, and the step-after-synchronize warning. Written here from the behaviour Horovod
 documents; each rank writes OUTDIR/rank<r>.json."""
 import copy
-import hashlib
 import warnings
 
 import torch
@@ -13,7 +12,7 @@ import torch.nn.functional as F
 
 import hvd_sparse as hvd
 
-from scenario_runner import run_scenarios  # noqa: E402
+import scenario_runner as runner  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -43,28 +42,8 @@ def train_step(m, opt):
     opt.step()
 
 
-def digest(obj):
-    h = hashlib.sha256()
-
-    def feed(o):
-        if isinstance(o, torch.Tensor):
-            h.update(o.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(o, dict):
-            for k in sorted(o, key=str):
-                h.update(str(k).encode())
-                feed(o[k])
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                feed(v)
-        else:
-            h.update(f"{type(o).__name__}:{o!r}".encode())
-    feed(obj)
-    return h.hexdigest()
-
-
-def same_everywhere(obj):
-    ds = hvd.allgather_object(digest(obj))
-    return all(d == ds[0] for d in ds)
+def same_everywhere(obj) -> bool:
+    return runner.same_everywhere(hvd, obj)
 
 
 def scenario_broadcast_state_every_optimizer(res):
@@ -186,4 +165,4 @@ SCENARIOS = [scenario_broadcast_state_every_optimizer, scenario_broadcast_option
 
 
 if __name__ == "__main__":
-    run_scenarios(hvd, SCENARIOS)
+    runner.run_scenarios(hvd, SCENARIOS)

@@ -6,6 +6,14 @@ import os
 import sys
 import traceback
 
+from hvd_sparse.engine.agreement import state_digest
+
+
+def same_everywhere(hvd, obj) -> bool:
+    """True when every rank holds bitwise the same tensors and plain values (nested)."""
+    digests = hvd.allgather_object(state_digest(obj).hex())
+    return all(d == digests[0] for d in digests)
+
 
 def run_scenarios(hvd, scenarios):
     outdir = sys.argv[1]
