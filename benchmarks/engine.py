@@ -66,7 +66,9 @@ def synthesise(name, numel, index_dtype, k, ranks, device, seed=0):
     return out
 
 
-def bench(n, ranks, density, device, steps, sparsifier):
+def build(n, ranks, density, device, steps, sparsifier):
+    """An optimizer over one parameter of ``n`` entries on the synthesised transport, and three
+    gradients to cycle through (shared with benchmarks/profile_engine.py)."""
     p = torch.nn.Parameter(torch.zeros(n, device=device))
     transport = SynthesisedTransport(ranks, {})
     extra = {"threshold": 2.6e-2} if sparsifier == "threshold" else \
@@ -81,6 +83,11 @@ def bench(n, ranks, density, device, steps, sparsifier):
         name, view.numel, view.index_dtype, k, ranks, device)
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(n, generator=gen).to(device) * 0.01 for _ in range(3)]
+    return opt, p, grads
+
+
+def bench(n, ranks, density, device, steps, sparsifier):
+    opt, p, grads = build(n, ranks, density, device, steps, sparsifier)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times = []
     for step in range(steps + 2):

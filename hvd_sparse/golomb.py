@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 PHI = (1 + 5 ** 0.5) / 2
 
@@ -42,67 +43,147 @@ def entropy_bits_per_position(density: float) -> float:
     return (-p * math.log2(p) - (1 - p) * math.log2(1 - p)) / p
 
 
-def encode(positions: np.ndarray, b: int) -> bytes:
+def encode(positions, b: int) -> bytes:
     """Code ascending, unique non-negative positions; returns the packed bit string."""
-    positions = np.asarray(positions, dtype=np.int64)
-    if positions.size == 0:
-        return b""
-    gaps = np.diff(positions, prepend=-1) - 1
-    if np.any(gaps < 0):
-        raise ValueError("positions must be strictly increasing and non-negative")
+    t = torch.as_tensor(np.asarray(positions, dtype=np.int64))
+    return encode_tensor(t, b).numpy().tobytes()
+
+
+def encode_tensor(positions: torch.Tensor, b: int) -> torch.Tensor:
+    """:func:`encode` on the positions' own device, as a uint8 tensor there: so positions
+    selected on a GPU are coded on it (vectorised) and only the stream's length is read by the
+    host; on the CPU one compiled sequential pass when numba is there."""
+    if positions.device.type == "cpu" and _pack is not None:
+        pos = positions.to(torch.int64).reshape(-1).contiguous().numpy()
+        out, total = _pack(pos, b)
+        if total < 0:
+            raise ValueError("positions must be strictly increasing and non-negative")
+        return torch.from_numpy(out)
+    return encode_vectorised(positions, b)
+
+
+def encode_vectorised(positions: torch.Tensor, b: int) -> torch.Tensor:
+    """The coder as tensor operations on any device: a bit array built with a few scatters,
+    then packed eight bits to a byte, most significant first."""
+    device = positions.device
+    pos = positions.to(torch.int64).reshape(-1)
+    if pos.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    gaps = torch.diff(pos, prepend=pos.new_full((1,), -1)) - 1
     q = gaps >> b
-    r = gaps & ((1 << b) - 1)
-    lengths = q + 1 + b
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    total = int(lengths.sum())
-    bits = np.zeros(total, dtype=np.uint8)
-    # unary part: q ones from each start
-    if q.sum():
-        run_starts = np.repeat(starts, q)
-        offsets = np.arange(int(q.sum())) - np.repeat(np.cumsum(q) - q, q)
-        bits[run_starts + offsets] = 1
-    # remainder: b bits after the terminating zero, most significant first
-    for j in range(b):
-        bits[starts + q + 1 + j] = (r >> (b - 1 - j)) & 1
-    return np.packbits(bits).tobytes()
+    lengths = q + (1 + b)
+    ends = torch.cumsum(lengths, 0)
+    total, smallest = torch.stack([ends[-1], gaps.min()]).tolist()  # one host read
+    if smallest < 0:
+        raise ValueError("positions must be strictly increasing and non-negative")
+    starts = ends - lengths
+    nbits = -(-total // 8) * 8
+    bits = torch.zeros(nbits, dtype=torch.uint8, device=device)
+    ones = int(total - pos.numel() * (1 + b))  # unary part: q ones from each start
+    if ones:
+        # the t-th one overall lies in codeword j, at starts[j] + t - (ones before codeword j)
+        shift = torch.repeat_interleave(starts - (torch.cumsum(q, 0) - q), q, output_size=ones)
+        bits[torch.arange(ones, device=device) + shift] = 1
+    if b:  # remainder: b bits after the terminating zero, most significant first
+        shifts = torch.arange(b - 1, -1, -1, device=device)
+        where = (starts + q + 1).unsqueeze(1) + torch.arange(b, device=device)
+        bits[where.reshape(-1)] = ((gaps & ((1 << b) - 1)).unsqueeze(1) >> shifts
+                                   & 1).to(torch.uint8).reshape(-1)
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.int32, device=device)
+    return (bits.view(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
 
 
-try:  # the decoder is a sequential bit walk: compiled when numba is there
+try:  # the coder's sequential forms: compiled when numba is there
     from numba import njit
 
+    @njit(cache=True, inline="always")
+    def _put(out, o, acc, nacc, v, length):
+        """Append the ``length`` low bits of ``v`` (most significant first) to the bit
+        accumulator, writing out every full byte; ``acc`` never holds more than 39 bits."""
+        while length > 0:
+            c = min(length, 32)
+            acc = (acc << c) | ((v >> (length - c)) & ((1 << c) - 1))
+            nacc += c
+            length -= c
+            while nacc >= 8:
+                nacc -= 8
+                out[o] = (acc >> nacc) & 255
+                o += 1
+            acc &= (1 << nacc) - 1
+        return o, acc, nacc
+
     @njit(cache=True)
-    def _walk(bits, count, b):
+    def _pack(pos, b):
+        total, prev = 0, -1
+        for j in range(pos.size):
+            gap = pos[j] - prev - 1
+            if gap < 0:
+                return np.empty(0, dtype=np.uint8), -1
+            total += (gap >> b) + 1 + b
+            prev = pos[j]
+        out = np.zeros((total + 7) // 8, dtype=np.uint8)
+        o, acc, nacc, prev, mask = 0, 0, 0, -1, (1 << b) - 1
+        for j in range(pos.size):
+            gap = pos[j] - prev - 1
+            prev = pos[j]
+            q = gap >> b
+            while q > 0:  # the quotient in unary, up to 32 ones at a time
+                c = min(q, 32)
+                o, acc, nacc = _put(out, o, acc, nacc, (1 << c) - 1, c)
+                q -= c
+            # the terminating zero, then the remainder's b bits
+            o, acc, nacc = _put(out, o, acc, nacc, gap & mask, b + 1)
+        if nacc:
+            out[o] = (acc << (8 - nacc)) & 255
+        return out, total
+
+    _LEADING_ONES = np.array([8 - len(bin(255 - v)) + 2 if v != 255 else 8 for v in range(256)],
+                             dtype=np.int64)
+
+    @njit(cache=True)
+    def _walk(data, count, b, leading_ones):
         out = np.empty(count, dtype=np.int64)
-        pos, prev, n = 0, -1, bits.size
+        pos, prev, n = 0, -1, data.size * 8
         for j in range(count):
             q = 0
-            while pos < n and bits[pos] == 1:
-                q += 1
-                pos += 1
-            if pos + 1 + b > n:
-                return out, j  # ran out of bits
-            pos += 1
-            rem = 0
-            for _ in range(b):
-                rem = (rem << 1) | bits[pos]
-                pos += 1
+            while True:  # the unary quotient, a byte at a time
+                if pos >= n:
+                    return out, j  # ran out of bits
+                off = pos & 7
+                ones = leading_ones[(data[pos >> 3] << off) & 255]
+                if ones < 8 - off:
+                    q += ones
+                    pos += ones + 1  # past the terminating zero
+                    break
+                q += 8 - off
+                pos += 8 - off
+            if pos + b > n:
+                return out, j
+            rem, need = 0, b
+            while need > 0:  # the remainder, up to a byte at a time
+                avail = 8 - (pos & 7)
+                take = min(avail, need)
+                rem = (rem << take) | ((data[pos >> 3] >> (avail - take)) & ((1 << take) - 1))
+                pos += take
+                need -= take
             prev = prev + 1 + (q << b) + rem
             out[j] = prev
         return out, count
 except ImportError:  # pragma: no cover - depends on the installation
-    _walk = None
+    _pack = _walk = None
 
 
 def decode(data: bytes, count: int, b: int) -> np.ndarray:
     """Inverse of :func:`encode` for ``count`` positions."""
     if count == 0:
         return np.empty(0, dtype=np.int64)
-    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
-    if _walk is not None:
-        out, done = _walk(bits, count, b)
+    packed = np.frombuffer(data, dtype=np.uint8)
+    if _walk is not None:  # straight over the packed bytes
+        out, done = _walk(packed, count, b, _LEADING_ONES)
         if done != count:
             raise ValueError("Golomb-Rice stream ends early")
         return out
+    bits = np.unpackbits(packed)
     # The terminating zero of codeword j is the first zero at or after its start; after it come
     # b remainder bits. Walk codewords using the list of zero positions (vectorised per word).
     zeros = np.flatnonzero(bits == 0)

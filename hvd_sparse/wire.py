@@ -105,10 +105,9 @@ def encode(indices: torch.Tensor, values: torch.Tensor, *, index_dtype: torch.dt
         (NONFINITE if nonfinite else 0)
     if index_coding == "golomb":
         b = golomb.optimal_parameter(count / numel if numel else 0.0)
-        stream = golomb.encode(indices.cpu().numpy(), b)
+        index_section = golomb.encode_tensor(indices, b).to(device)  # coded where they lie
         head = HEADER.pack(MAGIC, VERSION, GOLOMB, vcode, tag & 0xFFFFFFFF, count) + \
-            GOLOMB_EXT.pack(len(stream), b)
-        index_section = _bytes_tensor(stream, device)
+            GOLOMB_EXT.pack(index_section.numel(), b)
     elif index_coding == "plain":
         head = HEADER.pack(MAGIC, VERSION, _INDEX_CODE[index_dtype], vcode, tag & 0xFFFFFFFF,
                            count)
@@ -132,13 +131,23 @@ class Payload:
     nonfinite: bool = False  # the sender saw NaN/Inf and sent nothing
 
 
-def decode_one(buf: torch.Tensor, offset: int, host: np.ndarray, numel: int = 2**62):
-    """Decode the payload at ``offset`` (``host`` is the buffer's bytes on the host); at most
-    ``numel`` entries are accepted.
+def _host_reader(buf: torch.Tensor):
+    """``read(offset, nbytes) -> bytes`` over ``buf``: slices of the host array when ``buf`` is
+    on the host, else small copies of just the bytes asked for (headers and Golomb streams),
+    so a payload on a device never travels whole to the host to be parsed."""
+    if buf.device.type == "cpu":
+        host = buf.numpy()
+        return lambda offset, nbytes: host[offset:offset + nbytes].tobytes()
+    return lambda offset, nbytes: buf[offset:offset + nbytes].cpu().numpy().tobytes()
+
+
+def decode_one(buf: torch.Tensor, offset: int, read, numel: int = 2**62):
+    """Decode the payload at ``offset`` (``read`` from :func:`_host_reader` fetches its header
+    bytes); at most ``numel`` entries are accepted.
 
     Returns the payload, its fingerprint and the offset just past it.
     """
-    raw = host[offset:offset + HEADER_BYTES].tobytes()
+    raw = read(offset, HEADER_BYTES)
     if len(raw) < HEADER_BYTES:
         raise PayloadError("buffer ends inside a payload header")
     magic, version, icode, vcode, tag, count = HEADER.unpack(raw)
@@ -155,7 +164,7 @@ def decode_one(buf: torch.Tensor, offset: int, host: np.ndarray, numel: int = 2*
     vdt = _VALUE_DTYPES[vcode]
     pos = offset + HEADER_BYTES
     if icode == GOLOMB:
-        ext = host[pos:pos + GOLOMB_EXT.size].tobytes()
+        ext = read(pos, GOLOMB_EXT.size)
         if len(ext) < GOLOMB_EXT.size:
             raise PayloadError(f"buffer ends inside the Golomb-Rice header at byte {pos}")
         stream_bytes, b = GOLOMB_EXT.unpack(ext)
@@ -163,7 +172,7 @@ def decode_one(buf: torch.Tensor, offset: int, host: np.ndarray, numel: int = 2*
         if pos + stream_bytes > buf.numel():
             raise PayloadError(f"Golomb-Rice stream at byte {pos} runs past the buffer end")
         try:
-            idx_np = golomb.decode(host[pos:pos + stream_bytes].tobytes(), count, b)
+            idx_np = golomb.decode(read(pos, stream_bytes), count, b)
         except (ValueError, IndexError) as e:
             raise PayloadError(f"corrupt Golomb-Rice positions at byte {offset}: {e}") from None
         indices = torch.from_numpy(idx_np).to(buf.device)
@@ -190,13 +199,14 @@ def decode_one(buf: torch.Tensor, offset: int, host: np.ndarray, numel: int = 2*
 def decode_all(buf: torch.Tensor, ranks: int, *, tag: int, numel: int, bucket: str) -> list:
     """Split an allgathered buffer into ``ranks`` payloads, in rank order, and check them.
 
-    The headers are read on the host (one transfer when the buffer lives on a device).
+    The headers are read on the host (a few bytes each when the buffer lives on a device) and
+    each payload's positions are checked with one host read.
     """
-    host = (buf if buf.device.type == "cpu" else buf.cpu()).numpy()
+    read = _host_reader(buf)
     payloads, offset = [], 0
     for r in range(ranks):
         try:
-            payload, got_tag, offset = decode_one(buf, offset, host, numel)
+            payload, got_tag, offset = decode_one(buf, offset, read, numel)
         except PayloadError as e:
             raise PayloadError(f"rank {r}'s payload for bucket '{bucket}': {e}") from None
         if got_tag != (tag & 0xFFFFFFFF):
@@ -206,11 +216,15 @@ def decode_all(buf: torch.Tensor, ranks: int, *, tag: int, numel: int, bucket: s
                 "bucketing options")
         idx = payload.indices
         if idx.numel():
-            # positions must be in range, ascending and unique (the scatter relies on it)
-            if int(idx[0]) < 0 or int(idx[-1]) >= numel:
+            # positions must be in range, ascending and unique (the scatter relies on it);
+            # first, last and order come back in one read
+            ordered = (idx[1:] > idx[:-1]).all() if idx.numel() > 1 else \
+                torch.ones((), dtype=torch.bool, device=idx.device)
+            first, last, ok = torch.stack([idx[0], idx[-1], ordered.to(idx.dtype)]).tolist()
+            if first < 0 or last >= numel:
                 raise PayloadError(f"rank {r} sent an index outside bucket '{bucket}' "
                                    f"(0..{numel - 1})")
-            if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            if not ok:
                 raise PayloadError(f"rank {r} sent unsorted or repeated indices for bucket "
                                    f"'{bucket}'")
         payloads.append(payload)

@@ -144,6 +144,27 @@ def test_scan_energy_is_the_squared_norm(ops):
         assert abs(s.energy - want) <= 1e-4 * want
 
 
+@pytest.mark.parametrize("ops", BACKENDS)
+@pytest.mark.parametrize("expect", [None, 1, 10_000_000])
+def test_scan_gather_whatever_the_room(ops, expect):
+    """The candidates are the same, in index order, whether the scan's room held them all,
+    was too short (a second pass) or was not offered."""
+    grad, res = inputs("random", 200_003, 5, device_of(ops))
+    t = np.float32(1.5)
+    s = ops.scan(grad, res, t, t, expect)
+    idx, val = ops.gather(grad, res, s)
+    acc = (grad + res).cpu()
+    want = torch.nonzero(acc.abs() >= t).squeeze(1)
+    assert s.count == want.numel() > 1026
+    assert torch.equal(idx.cpu(), want) and torch.equal(val.cpu(), acc[want])
+
+
+def test_sample_positions_are_made_once_per_length():
+    assert select.sample_positions(10_000_000) is select.sample_positions(10_000_000)
+    assert select.sample_positions(1000) is None
+    assert np.array_equal(select.all_positions(77), np.arange(77))
+
+
 def test_dispatch_and_helpers(monkeypatch):
     f32, f64 = torch.zeros(4), torch.zeros(4, dtype=torch.float64)
     assert kernels.backend_for(f64) == "torch"

@@ -169,6 +169,33 @@ def test_golomb_rice_round_trips(case, b):
         golomb.encode(np.array([3, 3]), b)
 
 
+def test_golomb_rice_known_stream():
+    # gaps 5, 0, 2 with b = 2: 1 0 01 | 0 00 | 0 10 -> 10010000 10 (padded with zeros)
+    assert golomb.encode(np.array([5, 6, 9]), 2) == bytes([0b10010000, 0b10000000])
+
+
+GOLOMB_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", GOLOMB_DEVICES)
+@pytest.mark.parametrize("b", [0, 3, 6, 33])
+def test_golomb_coder_forms_agree(device, b):
+    """The compiled CPU coder, the vectorised one (the GPU's) and the decoder agree, bit for
+    bit, on the device where the positions lie."""
+    rng = np.random.default_rng(b)
+    n = 2**36 if b == 33 else 300_000
+    positions = np.unique(rng.integers(0, n, 4000 if b else 400))
+    t = torch.from_numpy(positions).to(device)
+    compiled = golomb.encode(positions, b)
+    coded = golomb.encode_tensor(t, b)
+    assert coded.device.type == device
+    assert coded.cpu().numpy().tobytes() == compiled
+    assert golomb.encode_vectorised(t, b).cpu().numpy().tobytes() == compiled
+    assert np.array_equal(golomb.decode(compiled, positions.size, b), positions)
+    with pytest.raises(ValueError):
+        golomb.encode_tensor(torch.tensor([4, 2], device=device), b)
+
+
 @pytest.mark.parametrize("density,expected", [(0.001, 11.49), (0.01, 8.11)])
 def test_golomb_bits_approach_the_entropy_bound(density, expected):
     rng = np.random.default_rng(0)

@@ -87,6 +87,34 @@ def test_payload_round_trips(numel, vdtype, count):
         assert p.values.dtype == vdtype and torch.equal(p.values, vals)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("coding,constant", [("plain", False), ("golomb", False),
+                                             ("golomb", True)])
+def test_payloads_decode_where_they_lie(device, coding, constant):
+    """A gathered buffer on a device is decoded there (headers read by the host), plain and
+    Golomb-coded positions alike, with the validation of every position."""
+    numel = 100_000
+    g = torch.Generator().manual_seed(3)
+    tag = wire.fingerprint("w", numel)
+    parts, want = [], []
+    for count in (500, 0, 37):
+        idx = torch.sort(torch.randperm(numel, generator=g)[:count]).values.to(device)
+        vals = torch.randn(count, generator=g).to(device)
+        parts.append(wire.encode(idx, vals, index_dtype=torch.int32, tag=tag, numel=numel,
+                                 index_coding=coding, constant=constant))
+        want.append((idx, vals[:1].expand(count) if constant else vals))
+    buf = torch.cat(parts)
+    assert buf.device.type == device
+    out = wire.decode_all(buf, 3, tag=tag, numel=numel, bucket="w")
+    for p, (idx, vals) in zip(out, want):
+        assert p.indices.device.type == device
+        assert torch.equal(p.indices, idx) and torch.equal(p.values, vals)
+    bad = wire.encode(torch.tensor([3, 2], device=device), torch.ones(2, device=device),
+                      index_dtype=torch.int32, tag=tag)
+    with pytest.raises(wire.PayloadError, match="unsorted"):
+        wire.decode_all(bad, 1, tag=tag, numel=numel, bucket="w")
+
+
 def test_payload_index_width_switches_to_int64():
     assert wire.index_dtype_for(2**31) == torch.int32  # last index 2**31 - 1 still fits
     assert wire.index_dtype_for(2**31 + 1) == torch.int64

@@ -47,8 +47,26 @@ def gather(g, r, s: Scan):
     return s.idx, s.values
 
 
+_device_positions = {}
+
+
+def _positions_on(positions: np.ndarray, device) -> torch.Tensor:
+    """``positions`` as an index tensor on ``device``, copied once per array and device (the
+    samplers pass the same cached array every step; the entry keeps the array alive, so its
+    id cannot be reused while cached)."""
+    if device.type == "cpu":
+        return torch.from_numpy(positions)
+    key = (id(positions), str(device))
+    hit = _device_positions.get(key)
+    if hit is None or hit[0] is not positions:
+        if len(_device_positions) > 512:
+            _device_positions.clear()
+        hit = _device_positions[key] = (positions, torch.from_numpy(positions).to(device))
+    return hit[1]
+
+
 def sample(g, r, positions: np.ndarray) -> np.ndarray:
-    pos = torch.from_numpy(positions).to(r.device)
+    pos = _positions_on(positions, r.device)
     out = r[pos] if g is None else r[pos] + g[pos].to(r.dtype)
     return out.cpu().numpy()
 

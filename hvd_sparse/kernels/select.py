@@ -10,6 +10,7 @@ exact decision among them on a short list. Results equal the methods' plain torc
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,14 +41,22 @@ def _empty(r, nonfinite=False):
     return Selection(e, v, v, nonfinite)
 
 
+@functools.lru_cache(maxsize=512)
 def sample_positions(n: int) -> Optional[np.ndarray]:
     """A fixed, cache-friendly sample of a vector of ``n`` entries (64 contiguous blocks), the
-    same on every rank and backend; ``None`` when the vector is too short for one to pay."""
+    same on every rank and backend; ``None`` when the vector is too short for one to pay.
+    Made once per length, since every step of a bucket asks again: callers must not write it."""
     blocks, width = 64, max(64, min(1024, n // 1024))
     if blocks * width * 4 >= n:
         return None
     starts = (np.arange(blocks, dtype=np.int64) * (n - width)) // (blocks - 1)
     return (starts[:, None] + np.arange(width)[None, :]).reshape(-1)
+
+
+@functools.lru_cache(maxsize=64)
+def all_positions(n: int) -> np.ndarray:
+    """Every position of a short vector (GaussianK samples all of it), made once per length."""
+    return np.arange(n, dtype=np.int64)
 
 
 def sampled_threshold(scores: np.ndarray, n: int, k: int) -> Optional[np.float32]:
@@ -59,9 +68,13 @@ def sampled_threshold(scores: np.ndarray, n: int, k: int) -> Optional[np.float32
     rank = int(np.ceil(1.6 * expected + 4.0 * np.sqrt(expected) + 8))
     if rank >= scores.size:
         return None
-    t = np.partition(scores, scores.size - rank)[scores.size - rank]
     # a zero threshold would make every entry a candidate (a sparse aggregate plus a young
-    # residual is mostly zeros): take only non-zeros; too few falls back to the exact path
+    # residual is mostly zeros): take only non-zeros. Partitioning only those gives the same
+    # rank-th score and avoids numpy's slow selection among many equal values
+    positive = scores[scores > 0]
+    if rank > positive.size:
+        return TINY
+    t = np.partition(positive, positive.size - rank)[positive.size - rank]
     return max(np.float32(t), TINY)
 
 
@@ -177,7 +190,7 @@ def gaussiank(ops, g, r, k: int, lo: int, hi: int, max_passes: int) -> Selection
         return topk(ops, g, r, k)
     positions = sample_positions(n)
     if positions is None:
-        positions = np.arange(n, dtype=np.int64)
+        positions = all_positions(n)
     t = gaussian_threshold(ops.sample(g, r, positions), n, k)
     s, passes = None, 0
     for passes in range(1, max_passes + 1):
