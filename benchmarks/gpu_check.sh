@@ -18,7 +18,11 @@ status=0
 echo "== 1. kernels: fused forms on CUDA equal their torch definitions"
 "$PY" benchmarks/gpu_check.py kernels "$DEST/gpu_kernels.json" || status=1
 if "$PY" -c "import pytest" 2>/dev/null; then
-  "$PY" -m pytest -q tests/test_kernels.py -k cupy -p no:cacheprovider || status=1
+  # every test that has a CUDA case: kernels, Golomb coder, payload decoding on the device
+  "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+    tests/test_kernels.py tests/test_units.py tests/test_sparsifiers.py \
+    -k "cupy or cuda or golomb or decode_where" 2>&1 | tee "$DEST/gpu_tests.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 echo "== 2. selection: fused Top-K vs torch.topk vs device copy floor"

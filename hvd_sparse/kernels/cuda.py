@@ -5,7 +5,8 @@ on them), for float32 CUDA tensors:
 
 * :func:`scan` - one read-only kernel over ``acc = g + r`` that counts ``acc >= t_hi or
   acc <= -t_lo``, flags NaN/Inf and, when the caller says how many to expect, already compacts
-  the candidates into room for twice that (warp-aggregated: one atomic per warp that has any);
+  the candidates into room for twice that (one atomic per warp and tile of 256 entries that
+  holds any);
   the count and the flag come back in one host read;
 * :func:`gather` - the candidates in index order: those the scan collected (sorted by index, so
   the order is the CPU's whatever the thread schedule), or a second pass with exact room when
@@ -38,35 +39,53 @@ except Exception:  # ImportError, or a CuPy without a usable CUDA runtime
 
 name = "cupy"
 
+ITEMS = 8  # entries per thread per tile: a warp takes a slot range once per 256 entries
+
 _SCAN_SRC = r"""
+#define ITEMS 8
 extern "C" __global__
 void scan(const float* __restrict__ g, const float* __restrict__ r, const int has_g,
           const float thi, const float tlo, const long long n,
           long long* __restrict__ out_idx, float* __restrict__ out_val,
           unsigned long long* __restrict__ counters, const unsigned long long cap) {
-    // counters[0]: candidates seen, counters[1]: NaN/Inf seen. Each warp walks the vector in
-    // the same uniform steps, so the warp votes below always have all 32 lanes.
+    // counters[0]: candidates seen, counters[1]: NaN/Inf seen. A warp reads a tile of
+    // 32 * ITEMS consecutive entries (coalesced), counts its lanes' hits, and reserves their
+    // slots with one atomic for the whole tile; the tile loop is uniform across the warp.
     const unsigned lane = threadIdx.x & 31;
-    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    const long long tile = 32LL * ITEMS;
     unsigned bad = 0;
-    for (long long base = (long long)blockIdx.x * blockDim.x; base < n; base += stride) {
-        const long long i = base + threadIdx.x;
-        float a = 0.0f;
-        bool hit = false;
-        if (i < n) {
-            a = has_g ? g[i] + r[i] : r[i];
-            hit = (a >= thi) | (a <= -tlo);
-            bad |= !(fabsf(a) <= 3.402823466e38f);
+    for (long long base = warp * tile; base < n; base += warps * tile) {
+        float a[ITEMS];
+        unsigned hits = 0;
+        #pragma unroll
+        for (int it = 0; it < ITEMS; ++it) {
+            const long long i = base + it * 32 + lane;
+            a[it] = 0.0f;
+            if (i < n) {
+                a[it] = has_g ? g[i] + r[i] : r[i];
+                hits |= (unsigned)((a[it] >= thi) | (a[it] <= -tlo)) << it;
+                bad |= !(fabsf(a[it]) <= 3.402823466e38f);
+            }
         }
-        const unsigned mask = __ballot_sync(0xffffffffu, hit);
-        if (mask) {
-            const int leader = __ffs(mask) - 1;
-            unsigned long long slot = 0;
-            if (lane == leader) slot = atomicAdd(counters, (unsigned long long)__popc(mask));
-            slot = __shfl_sync(0xffffffffu, slot, leader);
-            if (hit) {
-                const unsigned long long p = slot + __popc(mask & ((1u << lane) - 1u));
-                if (p < cap) { out_idx[p] = i; out_val[p] = a; }
+        const unsigned mine = __popc(hits);
+        unsigned before = mine;  // inclusive prefix over the lanes
+        #pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const unsigned v = __shfl_up_sync(0xffffffffu, before, off);
+            if (lane >= off) before += v;
+        }
+        const unsigned total = __shfl_sync(0xffffffffu, before, 31);
+        if (total == 0) continue;
+        unsigned long long slot = 0;
+        if (lane == 0) slot = atomicAdd(counters, (unsigned long long)total);
+        slot = __shfl_sync(0xffffffffu, slot, 0) + (before - mine);
+        #pragma unroll
+        for (int it = 0; it < ITEMS; ++it) {
+            if ((hits >> it) & 1u) {
+                if (slot < cap) { out_idx[slot] = base + it * 32 + lane; out_val[slot] = a[it]; }
+                ++slot;
             }
         }
     }
@@ -91,7 +110,8 @@ def _kernel(kname, src):
 
 def _grid(n):
     threads = 256
-    blocks = max(1, min(4096, (n + threads - 1) // threads))
+    per_block = threads * ITEMS
+    blocks = max(1, min(4096, (n + per_block - 1) // per_block))
     return (blocks,), (threads,)
 
 

@@ -79,14 +79,26 @@ def kth_magnitude(g, r, k: int):
 
 
 def pick_topk(cidx, cval, k, sign=0):
-    """The k largest candidates by ``|v|`` (or ``sign * v``), ties by lowest index, in index order."""
+    """The k largest candidates by ``|v|`` (or ``sign * v``), ties by lowest index, in index order.
+
+    No sort: the exact k-th largest score (a selection), every candidate above it, and the
+    first of those equal to it, counted in index order (candidates come in index order)."""
     score = cval.abs() if sign == 0 else (cval if sign > 0 else -cval)
     if k >= score.numel():
         return cidx, cval
-    # a stable descending sort keeps index order among equal scores (candidates are in index order)
-    top = torch.sort(score, descending=True, stable=True).indices[:k]
-    top = torch.sort(top).values
-    return cidx[top], cval[top]
+    kth = torch.topk(score, k, sorted=False).values.min()
+    above = score > kth
+    tied = score == kth
+    keep = above | (tied & (torch.cumsum(tied, 0) <= k - above.sum()))
+    where = _nonzero_k(keep, k)
+    return cidx[where], cval[where]
+
+
+def _nonzero_k(mask, k):
+    """Positions of the ``k`` set entries of ``mask``; no host read where torch offers it."""
+    if mask.device.type != "cpu" and hasattr(torch, "nonzero_static"):
+        return torch.nonzero_static(mask, size=k).squeeze(1)
+    return torch.nonzero(mask).squeeze(1)
 
 
 def commit(g, r, idx, remainder, zero_grad=False) -> None:
