@@ -251,7 +251,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          deterministic_dense=True, dense_fallback=True, cost_model="time",
                          calibration_steps=3, recalibrate_every=0, value_dtype=None,
                          nonfinite="propagate", verify_every=0, check_config=True,
-                         scope="tensor", bucket_cap_mb=25.0, min_sparse_numel=1024,
+                         collective="allgather", scope="tensor", bucket_cap_mb=25.0,
+                         min_sparse_numel=1024,
                          max_bucket_numel=None,
                          transport=None, **unknown):
     """Wrap ``optimizer`` so gradients are exchanged sparsely (drop-in for Horovod's).
@@ -298,6 +299,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     ``value_dtype`` (``torch.float16``/``bfloat16``/``float32``) sets the value type on the wire;
     the rounding error stays in the residual.
 
+    ``collective``: how a sparse bucket is exchanged. ``"allgather"`` (default): every rank
+    receives every rank's selection (traffic per rank grows with the rank count);
+    ``"sharded"``: each rank owns one region of every bucket, receives the selections for it
+    (an all-to-all), sums them, re-sparsifies them with its own downlink residual and the
+    owners' selections are allgathered (traffic per rank about ``k_up + k_down`` pairs at any
+    rank count; :mod:`hvd_sparse.engine.sharded`); ``"auto"``: per bucket, the faster of the two
+    by the time cost model once it is calibrated.
+
     Safety: ``nonfinite`` says what a NaN/Inf gradient on any rank does; it never enters a
     residual, and every rank does the same. ``"propagate"`` (default, as dense Horovod and
     ``torch.amp.GradScaler`` expect): every residual stays as it was and ``p.grad`` gets the
@@ -333,7 +342,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         dense_fallback=dense_fallback, cost_model=cost_model,
         calibration_steps=calibration_steps, recalibrate_every=recalibrate_every,
         value_dtype=value_dtype, nonfinite=nonfinite, verify_every=verify_every,
-        check_config=check_config)
+        check_config=check_config, collective=collective)
     if num_groups:
         warnings.warn("Parameter `num_groups` has been replaced by `groups`.", DeprecationWarning)
         groups = num_groups if groups is None else groups

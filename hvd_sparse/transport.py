@@ -2,8 +2,10 @@
 can stand beside the Horovod one.
 
 ``allgather_async`` takes one rank's uint8 payload (sizes may differ per rank) and returns, at
-``wait``, the concatenation of every rank's payload in rank order. ``allreduce_async`` is used for
-tensors sent dense (too small to be worth sparsifying).
+``wait``, the concatenation of every rank's payload in rank order. ``alltoall_async`` takes the
+concatenation of one uint8 part per destination rank (``splits``: their byte counts, in rank
+order) and returns, at ``wait``, the concatenation of the parts every rank sent to this one, in
+rank order (the sharded exchange). ``allreduce_async`` is used for tensors sent dense.
 """
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ class Transport:
     def allreduce_async(self, tensor: torch.Tensor, name: str, *, average: bool,
                         prescale: float = 1.0, postscale: float = 1.0):
         raise NotImplementedError
+
+    def alltoall_async(self, payload: torch.Tensor, splits, name: str):
+        raise NotImplementedError(f"{type(self).__name__} has no alltoall: the sharded "
+                                  "exchange needs one (collective='allgather' does not)")
 
     def wait(self, handle) -> torch.Tensor:
         raise NotImplementedError
@@ -66,7 +72,15 @@ class HorovodTransport(Transport):
                                           postscale_factor=postscale,
                                           process_set=self.process_set)
 
+    def alltoall_async(self, payload, splits, name):
+        splits = torch.tensor(list(splits), dtype=torch.int32)
+        return ("alltoall", self._hvd.alltoall_async(payload, splits=splits, name=name,
+                                                     process_set=self.process_set))
+
     def wait(self, handle):
+        if isinstance(handle, tuple) and handle[0] == "alltoall":
+            output, _received_splits = self._hvd.synchronize(handle[1])
+            return output
         return self._hvd.synchronize(handle)
 
 
@@ -88,6 +102,9 @@ class LocalTransport(Transport):
 
     def allreduce_async(self, tensor, name, *, average, prescale=1.0, postscale=1.0):
         return tensor.mul_(prescale * postscale)
+
+    def alltoall_async(self, payload, splits, name):
+        return payload
 
     def wait(self, handle):
         return handle
@@ -143,6 +160,25 @@ class MPITransport(Transport):
         dtype = MPI.BYTE if unit == 1 else self._unit_type(unit)
         req = self.comm.Iallgatherv([self._buffer(src), dtype],
                                     [self._buffer(out), unit_counts, displs, dtype])
+        return ("gather", req, out, src, payload.dtype, payload.device)
+
+    def alltoall_async(self, payload, splits, name):
+        """Byte counts go first in a tiny ``Alltoall``, then the parts in an ``Ialltoallv``."""
+        import numpy as np
+
+        MPI = self.MPI
+        src = self._staged(payload).reshape(-1)
+        send = np.asarray(list(splits), dtype=np.int64)
+        recv = np.empty(self.size(), dtype=np.int64)
+        self.comm.Alltoall(send, recv)
+        unit, send_units, send_displs = gatherv_layout(send)
+        unit_r, recv_units, recv_displs = gatherv_layout(recv)
+        if unit != 1 or unit_r != 1:  # past 2 GiB either way: MPI's counts are C ints
+            raise ValueError("an all-to-all of more than 2**31 - 1 bytes per rank is not "
+                             "supported by the mpi4py transport")
+        out = torch.empty(int(recv.sum()), dtype=torch.uint8, device=src.device)
+        req = self.comm.Ialltoallv([self._buffer(src), send_units, send_displs, MPI.BYTE],
+                                   [self._buffer(out), recv_units, recv_displs, MPI.BYTE])
         return ("gather", req, out, src, payload.dtype, payload.device)
 
     def _unit_type(self, unit):

@@ -16,6 +16,7 @@ from ..compat import Compression
 from ..sparsifiers import Sparsifier, make_sparsifier
 
 COST_MODELS = ("time", "bytes", "off")
+COLLECTIVES = ("allgather", "sharded", "auto")
 EXCHANGES = ("auto", "gradient", "update")
 
 
@@ -69,6 +70,7 @@ class EngineConfig:
     nonfinite: str = "propagate"
     verify_every: int = 0
     check_config: bool = True
+    collective: str = "allgather"  # or "sharded" (engine/sharded.py), or "auto" per bucket
 
     def describe(self) -> dict:
         """The options as plain values, for the cross-rank configuration digest."""
@@ -85,12 +87,6 @@ class EngineConfig:
         """Weight updates (after a local optimizer step) are exchanged from ``step()``, not
         gradients from the backward hooks: ``exchange="update"`` or ``local_steps > 1``."""
         return self.exchange == "update" or self.local_steps > 1
-
-    @property
-    def value_carrying_wire(self) -> bool:
-        """The wire carries the selected values unchanged (no codec, cast or pre-scaling)."""
-        return (self.compression is Compression.none and self.value_dtype is None
-                and not (self.average and self.predivide != 1.0))
 
 
 def _density(name, value):
@@ -120,7 +116,7 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
                  index_coding, momentum_correction, local_clip_norm, density_warmup_steps,
                  dense_warmup_steps, local_steps, track_error, exchange, deterministic_dense,
                  dense_fallback, cost_model, calibration_steps, recalibrate_every, value_dtype,
-                 nonfinite, verify_every, check_config) -> EngineConfig:
+                 nonfinite, verify_every, check_config, collective="allgather") -> EngineConfig:
     """Validate the keywords of :func:`hvd_sparse.DistributedOptimizer` (clear errors naming
     the keyword) and freeze them."""
     from .. import compat
@@ -188,6 +184,8 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         cost_model = "off"
     _nonneg_int("calibration_steps", calibration_steps, 1)
     _nonneg_int("recalibrate_every", recalibrate_every)
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
     return EngineConfig(
         density=density, downlink_density=downlink_density, bidirectional=bidirectional,
         sparsifier=up, downlink_sparsifier=down, average=average,
@@ -199,4 +197,4 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         track_error=bool(track_error), deterministic_dense=bool(deterministic_dense),
         cost_model=cost_model, calibration_steps=calibration_steps,
         recalibrate_every=recalibrate_every, value_dtype=value_dtype, nonfinite=nonfinite,
-        verify_every=verify_every, check_config=bool(check_config))
+        verify_every=verify_every, check_config=bool(check_config), collective=collective)

@@ -26,13 +26,15 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 
 from .. import aggregation, costmodel, kernels, safety, wire
+from ..compat import Compression
 from ..dgc import clip_local, warmup_density
 from ..kernels import select as fused
 from ..sparsifiers import SelectionContext
 from ..stats import CommunicationStats
-from . import agreement, calibration
+from . import agreement, calibration, sharded
 from .config import EngineConfig
 from .stages import StageClock
+from ..feedback import Residual
 from .state import BucketState, InFlight
 
 STATE_FORMAT = 1
@@ -55,6 +57,8 @@ class BucketView(NamedTuple):
     uplink: Optional[torch.Tensor]
     downlink: Optional[torch.Tensor]
     velocity: Optional[torch.Tensor]
+    shard: Optional[torch.Tensor] = None  # sharded exchange: this rank's region residual
+    collective: str = "allgather"
 
 
 class Engine:
@@ -88,6 +92,7 @@ class Engine:
         self._sparsifier_snapshot = None  # sparsifier state at the start of the round
         self._local_nonfinite: List[str] = []
         self._flag_at_exchange = False  # communication delay: a local step saw NaN/Inf
+        self._serving = {}  # sharded buckets: this rank's region selection, being allgathered
 
     # ----------------------------------------------------------------- small helpers
     def _ctx(self, b, direction):
@@ -124,7 +129,8 @@ class Engine:
             out[b.name] = BucketView(
                 b.name, b.numel, b.dtype, b.index_dtype, b.sparse,
                 st.mode if b.sparse else "dense", tuple(b.names), copy(st.uplink.buffer),
-                copy(st.downlink.buffer), copy(st.velocity.velocity if st.velocity else None))
+                copy(st.downlink.buffer), copy(st.velocity.velocity if st.velocity else None),
+                copy(st.shard.buffer if st.shard else None), self.collective(b))
         return MappingProxyType(out)
 
     # ----------------------------------------------------------------- agreement
@@ -222,6 +228,16 @@ class Engine:
         return "gather" if (self.config.deterministic_dense and self.transport.size() > 2) \
             else "reduce"
 
+    def collective(self, b) -> str:
+        """How a sparse bucket is exchanged this step: ``"allgather"`` or ``"sharded"`` (the
+        same on every rank: from the configuration, or the agreed cost model under "auto")."""
+        c = self.config
+        if c.collective == "allgather" or self.transport.size() == 1:
+            return "allgather"
+        if c.collective == "sharded":
+            return "sharded"
+        return self.state[b.index].collective
+
     def mode(self, b) -> Optional[str]:
         """How a bucket goes dense this step: ``None`` (it does not), ``"gather"`` or
         ``"reduce"``. A dense exchange is an allreduce, except with ``deterministic_dense`` at 3
@@ -289,11 +305,14 @@ class Engine:
             commit = (ops, flat, sel, sent)
         self._send(b, name, sel.idx, wire_values, ctx_codec, sparse_ids, target, None, commit)
 
-    def _to_wire(self, b, values):
+    def _to_wire(self, b, values, prescale=True):
         """(values as the wire carries them, the same as the receiver will read them, codec
-        context). With no codec, cast or pre-scaling the three are the selected values."""
+        context). With no codec, cast or pre-scaling the three are the selected values.
+        ``prescale=False``: values already averaged (an owner's region selection)."""
         c = self.config
-        if c.value_carrying_wire and values.dtype == b.dtype:
+        pre = prescale and c.average and c.predivide != 1.0
+        if c.compression is Compression.none and c.value_dtype is None and not pre \
+                and values.dtype == b.dtype:
             return values, values, None
         wire_dtype = c.value_dtype or b.dtype
         if torch.finfo(wire_dtype).max < torch.finfo(values.dtype).max:
@@ -304,7 +323,7 @@ class Engine:
         else:
             values_in_range = values
         scaled = values_in_range.to(wire_dtype)
-        if c.average and c.predivide != 1.0:
+        if pre:
             scaled = scaled * (1.0 / c.predivide)
         wire_values, ctx = c.compression.compress(scaled)
         if wire_values.dtype != scaled.dtype and wire_values.dtype.is_floating_point \
@@ -312,7 +331,7 @@ class Engine:
             big = torch.finfo(wire_values.dtype).max  # the codec narrows (Compression.fp16)
             wire_values, ctx = c.compression.compress(scaled.clamp(-big, big))
         sent = c.compression.decompress(wire_values, ctx).to(values.dtype)
-        if c.average and c.predivide != 1.0:
+        if pre:
             sent = sent * c.predivide
         return wire_values, sent, ctx
 
@@ -364,6 +383,20 @@ class Engine:
     def _send(self, b, name, idx, wire_values, ctx, sparse_ids, target, error, commit,
               nonfinite=False):
         c = self.config
+        if self.collective(b) == "sharded":
+            size, rank = self.transport.size(), self.transport.rank()
+            with self.clock.stage("encode", b.index):
+                payload, splits = sharded.encode_parts(
+                    idx, wire_values, sharded.region_bounds(b.numel, size),
+                    constant=c.sparsifier.constant_value, index_dtype=b.index_dtype, tag=b.tag,
+                    numel=b.numel, index_coding=c.index_coding, nonfinite=nonfinite)
+            with self.clock.stage("collective_wait"):  # mpi4py exchanges the sizes first
+                handle = self.transport.alltoall_async(payload, splits, name)
+            self.inflight[b.index] = InFlight("sharded", handle, ctx,
+                                              payload.numel() - splits[rank], sparse_ids,
+                                              idx.numel(), target, error, commit,
+                                              own_bytes=splits[rank])
+            return
         with self.clock.stage("encode", b.index):
             payload = wire.encode(idx, wire_values, index_dtype=b.index_dtype, tag=b.tag,
                                   numel=b.numel, index_coding=c.index_coding,
@@ -424,8 +457,15 @@ class Engine:
             else:
                 for b in self.buckets:
                     self._commit_uplink(b, write)
-                    self._apply(b, received[b.index], write)
+                    if self.inflight[b.index].kind == "sharded":
+                        self._serve_region(b, received[b.index])
+                    else:
+                        self._apply(b, received[b.index], write)
+                for b in self.buckets:  # the owners' selections, allgathered above
+                    if b.index in self._serving:
+                        self._apply_regions(b, write)
         finally:
+            self._serving.clear()
             self.inflight.clear()
             self._snapshots.clear()
             self._sparsifier_snapshot = None
@@ -440,7 +480,7 @@ class Engine:
         size = self.transport.size()
         with self.clock.stage("collective_wait"):
             received = self.transport.wait(job.handle)
-        if job.kind == "sparse":
+        if job.kind in ("sparse", "sharded"):
             with self.clock.stage("decode", b.index):
                 payloads = wire.decode_all(received, size, tag=b.tag, numel=b.numel,
                                            bucket=b.name)
@@ -545,6 +585,105 @@ class Engine:
                           dense=b.nbytes, selected=job.selected, numel=b.numel,
                           target=job.target, error=job.error, downlink_selected=down_selected)
         self._wire_bytes[b.index] = max(self._wire_bytes.get(b.index, 0), gathered_bytes)
+
+    # ----------------------------------------------------------------- sharded exchange
+    def _region(self, b):
+        size, rank = self.transport.size(), self.transport.rank()
+        bounds = sharded.region_bounds(b.numel, size)
+        return bounds[rank], bounds[rank + 1]
+
+    def _shard(self, b, lo, hi, device):
+        """This rank's region residual: zeros when new, and when the world changed since it
+        was made (its region is another one now; the mass it held is dropped, with a warning)."""
+        st = self.state[b.index]
+        layout = (self.transport.size(), self.transport.rank(), lo, hi)
+        if st.shard is not None and st.shard_layout != layout:
+            if st.shard.buffer is not None and bool(st.shard.buffer.any()):
+                warnings.warn(f"bucket '{b.name}': the world changed since this rank's region "
+                              "residual was made; its unsent aggregate is dropped")
+            st.shard = None
+        if st.shard is None:
+            st.shard = Residual(hi - lo, st.downlink.dtype)
+            st.shard_layout = layout
+        return st.shard.ensure(torch.empty(0, device=device))
+
+    def _serve_region(self, b, received):
+        """Owner: the entries every rank sent for this rank's region, summed in rank order into
+        its region residual (or a zeroed scratch without a downlink), selected, and sent to
+        every rank with an allgather."""
+        c = self.config
+        job = self.inflight[b.index]
+        payloads, a2a_bytes = received
+        lo, hi = self._region(b)
+        scale = (c.predivide / self.transport.size()) if c.average else 1.0
+        device = b.params[0].device
+        with self.clock.stage("aggregate", b.index):
+            for p in payloads:
+                p.values = c.compression.decompress(p.values, job.ctx)
+            sharded.check_region(payloads, lo, hi, b.name)
+            if c.bidirectional:
+                region = self._shard(b, lo, hi, device)
+            else:
+                region = self.state[b.index].flat_buffer(hi - lo, self.state[b.index]
+                                                         .downlink.dtype, device)
+                region.zero_()
+            ops = kernels.ops_for(region)
+            for p in payloads:  # rank order; indices unique within a payload
+                if p.indices.numel():
+                    ops.scatter_add(region, p.indices - lo, p.values, scale)
+        if c.bidirectional:
+            _, down_density = self.densities()
+            ctx = self._ctx(b, "down")
+            with self.clock.stage("downlink_select", b.index):
+                sel = c.downlink_sparsifier.fused(ops, None, region, down_density, ctx)
+                if sel is not None and not sel.nonfinite:
+                    idx, values = sel.idx, sel.values
+                    wire_values, sent, codec = self._to_wire(b, values, prescale=False)
+                    fused.commit(ops, None, region, sel, sent)
+                else:
+                    idx, values = c.downlink_sparsifier.compress(region, down_density, ctx)
+                    wire_values, sent, codec = self._to_wire(b, values, prescale=False)
+                    self.state[b.index].shard.settle(idx, sent)
+            constant = c.downlink_sparsifier.constant_value
+        else:  # the region's whole aggregate, on the union of what was received
+            with self.clock.stage("aggregate", b.index):
+                got = [p.indices for p in payloads if p.indices.numel()]
+                idx = torch.unique(torch.cat(got)) - lo if got else \
+                    torch.empty(0, dtype=torch.int64, device=region.device)
+                wire_values, _, codec = self._to_wire(b, region[idx], prescale=False)
+            constant = False
+        with self.clock.stage("encode", b.index):
+            payload = wire.encode(idx + lo, wire_values, index_dtype=b.index_dtype, tag=b.tag,
+                                  numel=b.numel, index_coding=c.index_coding, constant=constant)
+        handle = self.transport.allgather_async(payload, f"hvd_sparse.{b.index}.{b.name}.down")
+        self._serving[b.index] = (handle, payload.numel(), codec, a2a_bytes)
+
+    def _apply_regions(self, b, write):
+        """Every rank: the owners' selections (regions in rank order, so positions ascend) are
+        the update, written as zero-fill plus scatter."""
+        c = self.config
+        job = self.inflight[b.index]
+        handle, own_bytes, codec, a2a_bytes = self._serving[b.index]
+        with self.clock.stage("collective_wait"):
+            gathered = self.transport.wait(handle)
+        with self.clock.stage("decode", b.index):
+            payloads = wire.decode_all(gathered, self.transport.size(), tag=b.tag,
+                                       numel=b.numel, bucket=b.name)
+            idx = torch.cat([p.indices for p in payloads])
+            values = torch.cat([c.compression.decompress(p.values, codec) for p in payloads])
+        if c.sparsifier.observes or c.downlink_sparsifier.observes:
+            c.sparsifier.observe(values, self._ctx(b, "up"))
+            c.downlink_sparsifier.observe(values, self._ctx(b, "down"))
+        grad = b.params[0].grad
+        ops = kernels.ops_for(grad if grad is not None and not grad.is_sparse else values)
+        with self.clock.stage("write", b.index):
+            self._write_sparse(b, idx, values, job.sparse_grads, write, ops, job.zeroed)
+        self.stats.record(b.name, sent=job.nbytes + own_bytes,
+                          received=a2a_bytes - job.own_bytes + gathered.numel() - own_bytes,
+                          dense=b.nbytes, selected=job.selected, numel=b.numel,
+                          target=job.target, error=job.error, downlink_selected=idx.numel())
+        self._wire_bytes[b.index] = max(self._wire_bytes.get(b.index, 0),
+                                        a2a_bytes + gathered.numel())
 
     # ----------------------------------------------------------------- write
     def _write_sparse(self, b, idx, values, sparse_ids, write, ops, zeroed):
@@ -728,7 +867,8 @@ class Engine:
     def _exchange_raw(self, received: dict) -> None:
         """Dense Horovod's result for every bucket: buckets that went sparse are exchanged
         again as the plain average of the raw gradients (no residual involved)."""
-        raw = [b for b in self.launch_order if self.inflight[b.index].kind == "sparse"]
+        raw = [b for b in self.launch_order
+               if self.inflight[b.index].kind in ("sparse", "sharded")]
         raw_ids = {b.index for b in raw}
         for b in raw:
             flat, sparse_ids = self.gradient(b)
@@ -815,6 +955,8 @@ class Engine:
                 entry["downlink"] = st.downlink.state()
                 entry["uplink"] = st.uplink.state()
                 entry["velocity"] = st.velocity.state() if st.velocity else None
+                entry["shard"] = None if st.shard is None else {
+                    "layout": list(st.shard_layout), "residual": st.shard.state()}
         rep["anchors"] = {k: v.clone() for k, v in rep["anchors"].items()}
         rep.update({"format": STATE_FORMAT, "world_size": t.size(), "rank": t.rank(),
                     "stats": self.stats.state_dict()})
@@ -866,8 +1008,32 @@ class Engine:
                 if st.velocity is not None:
                     v = saved[bname].get("velocity")
                     st.velocity.load(None if v is None else v.to(b.params[0].device))
+        self._load_shards(saved, mine, own)
         self.stats.load_state_dict(extra.get("stats", {}))
         self.agreement_due = True
+
+    def _load_shards(self, saved, mine, own) -> None:
+        """Sharded exchange: a region residual is restored on the rank that saved it, in a
+        job of the same size; elsewhere the region starts from zero, with a warning."""
+        dropped = []
+        for bname, b in mine.items():
+            st = self.state[b.index]
+            entry = saved[bname].get("shard")
+            st.shard, st.shard_layout = None, None
+            if entry is None:
+                continue
+            if own:
+                st.shard = Residual(len(range(*entry["layout"][2:])), st.downlink.dtype)
+                st.shard.load(entry["residual"].to(b.params[0].device)
+                              if entry["residual"] is not None else None)
+                st.shard_layout = tuple(entry["layout"])
+            elif entry["residual"] is not None and bool(entry["residual"].any()):
+                dropped.append(bname)
+        if dropped:
+            warnings.warn(
+                f"sharded exchange: the region residuals of {', '.join(dropped)} were saved by "
+                f"another rank or world size and start from zero on rank {self.transport.rank()}"
+                " (save one state dict per rank to restore them exactly)")
 
     def reset_round(self):
         self.inflight.clear()

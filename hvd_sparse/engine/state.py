@@ -24,6 +24,11 @@ class BucketState:
     scratch: Optional[torch.Tensor] = None  # reused flat buffer (multi-parameter gradients)
     support_scratch: Optional[torch.Tensor] = None  # all zeros between steps (adaptive k)
     costs: Dict[str, float] = field(default_factory=dict)  # the last decision's inputs
+    # sharded exchange: the residual of the region this rank owns, and the (world size, rank,
+    # bounds) it was made for; "auto" keeps its per-bucket choice of collective here
+    shard: Optional[Residual] = None
+    shard_layout: Optional[tuple] = None
+    collective: str = "allgather"
 
     @classmethod
     def for_bucket(cls, b, momentum_correction: float) -> "BucketState":
@@ -43,7 +48,8 @@ class BucketState:
 class InFlight:
     """A bucket whose exchange has been launched and not yet finished."""
 
-    kind: str  # "sparse" (allgather of payloads), "dense" (allreduce), "dense_gather"
+    kind: str  # "sparse" (allgather of payloads), "sharded" (all-to-all of them), "dense"
+    # (allreduce), "dense_gather"
     handle: Any
     ctx: Any  # the value codec's context
     nbytes: int  # this rank's bytes on the wire
@@ -53,3 +59,4 @@ class InFlight:
     error: Optional[torch.Tensor] = None  # ||residual||^2 after selection
     commit: Any = None  # deferred uplink residual update: (ops, grad, selection, sent)
     zeroed: bool = False  # the uplink commit zeroed p.grad in its pass
+    own_bytes: int = 0  # sharded: the part of this rank's all-to-all that stays with it

@@ -1,0 +1,74 @@
+"""The sharded exchange: every rank serves one region of each bucket's index space.
+
+With an allgather every rank receives all P ranks' selections, so its traffic grows with P. Here
+(the reduce-scatter-then-allgather form of Ok-Topk and SparCML, and the server-free reading of
+bidirectional Top-K: each rank is the server for one shard):
+
+    uplink      each rank's selection, cut at the region bounds, one payload per owner
+    all-to-all  owner r receives, from every rank in rank order, the entries of region r
+    owner       sums them in rank order into its own downlink residual for the region,
+                selects from it (the downlink density of the region's length: the per-region
+                rule below) and keeps what it did not send
+    allgather   the owners' selections, so every rank writes the same update; regions are in
+                rank order, so the concatenated positions are already ascending
+
+Per rank about ``k_up (P-1)/P`` pairs go out and come in on the all-to-all and ``k_down``
+pairs arrive on the allgather, whatever P. Regions are equal slices of the bucket; each owner
+keeps ``downlink_density`` of its region, so the downlink takes the top entries of each region
+rather than of the whole bucket (the difference from an exact global Top-K is measured in
+``benchmarks/sharded.py``). A region's downlink residual lives on its owner alone: it is in
+that rank's ``state_dict`` and is restored only on the same rank of a job of the same size.
+
+Methods that observe the aggregate (adaptive k) observe the gathered downlink selection, which
+every rank holds, instead of the whole aggregate, which no rank holds.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from .. import wire
+
+
+def region_bounds(numel: int, size: int) -> Tuple[int, ...]:
+    """``size + 1`` bounds of equal regions (the first ``numel % size`` one entry longer);
+    regions are empty when the bucket has fewer entries than ranks."""
+    base, extra = divmod(numel, size)
+    out, at = [0], 0
+    for r in range(size):
+        at += base + (1 if r < extra else 0)
+        out.append(at)
+    return tuple(out)
+
+
+def cut_points(idx: torch.Tensor, bounds) -> List[int]:
+    """Where each region's entries start and end in the ascending positions ``idx`` (one host
+    read for all regions)."""
+    inner = torch.tensor(bounds[1:-1], dtype=idx.dtype, device=idx.device)
+    cuts = torch.searchsorted(idx, inner).tolist() if inner.numel() else []
+    return [0] + cuts + [idx.numel()]
+
+
+def encode_parts(idx, wire_values, bounds, *, constant, **encode_args):
+    """One payload per region owner, concatenated, and their byte counts."""
+    cuts = cut_points(idx, bounds)
+    parts = []
+    for r in range(len(bounds) - 1):
+        a, e = cuts[r], cuts[r + 1]
+        values = wire_values if constant else wire_values[a:e]
+        parts.append(wire.encode(idx[a:e], values, constant=constant, **encode_args))
+    return torch.cat(parts), [p.numel() for p in parts]
+
+
+def check_region(payloads, lo: int, hi: int, bucket: str) -> None:
+    """Every received position lies in this owner's region (one host read)."""
+    firsts = [p.indices[:1] for p in payloads if p.indices.numel()]
+    lasts = [p.indices[-1:] for p in payloads if p.indices.numel()]
+    if not firsts:
+        return
+    smallest, largest = torch.stack([torch.cat(firsts).min(), torch.cat(lasts).max()]).tolist()
+    if smallest < lo or largest >= hi:
+        raise wire.PayloadError(
+            f"a rank sent positions {smallest}..{largest} of bucket '{bucket}' to the owner of "
+            f"{lo}..{hi - 1}: the ranks disagree on the world size or the collective")

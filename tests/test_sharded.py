@@ -1,0 +1,74 @@
+"""The sharded exchange (collective="sharded") on real jobs of 2, 3 and 4 ranks, Horovod under
+mpirun and horovodrun and the mpi4py transport (tests/workers/sharded_scenarios.py)."""
+import pytest
+
+from conftest import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+CONFIGS = [("mpirun", 2, "horovod"), ("horovodrun", 3, "horovod"), ("mpirun", 3, "mpi"),
+           ("mpirun", 4, "horovod")]
+METHODS = ["topk", "gaussiank", "sbc", "adaptive", "threshold", "randomk"]
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=[f"{l}-np{n}-{b}" for l, n, b in CONFIGS])
+def sharded(request, tmp_path_factory):
+    launcher, np_, backend = request.param
+    request.getfixturevalue("mpi4py_available" if backend == "mpi" else "mpi_available")
+    out = tmp_path_factory.mktemp(f"sharded-{launcher}-{np_}-{backend}")
+    proc, results = run_ranks(launcher, np_, "sharded_scenarios.py", out, timeout=500,
+                              env={"HVD_SPARSE_TEST_BACKEND": backend})
+    for r in results:
+        assert "errors" not in r, f"rank {r['rank']} failed:\n" + "\n".join(r["errors"].values())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return results
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_replicas_stay_identical(sharded, method):
+    """Top-K for 200 steps, every other method for 30: bitwise-identical parameters on every
+    rank, the downlink residual held as this rank's region only, and training progresses."""
+    for r in sharded:
+        assert r[f"replicas_{method}_equal"] and r[f"replicas_{method}_finite"]
+        assert r[f"replicas_{method}_loss_fell"]
+        assert r[f"replicas_{method}_collective"] == ["sharded"]
+        assert all(r[f"replicas_{method}_shards"])
+
+
+def test_density_one_is_the_dense_average(sharded):
+    for r in sharded:
+        assert r["dense_average_maxdiff"] <= 1e-6
+
+
+def test_unidirectional_sharded_equals_allgather_bit_for_bit(sharded):
+    for r in sharded:
+        assert r["unidirectional_equal"]
+
+
+def test_resume_from_per_rank_state_is_exact(sharded):
+    for r in sharded:
+        assert r["resume_shards_saved"] and r["resume_exact"]
+
+
+def test_uneven_regions(sharded):
+    """A bucket with fewer entries than ranks, and all of a gradient in one region."""
+    for r in sharded:
+        assert r["uneven_equal"] and r["uneven_moved"] and r["uneven_rest_zero"]
+
+
+def test_nonfinite_step_is_seen_by_every_rank(sharded):
+    for r in sharded:
+        assert r["nonfinite_steps"] == 1 and r["nonfinite_skipped"] == 1
+        assert r["nonfinite_equal"] and r["nonfinite_finite"]
+
+
+def test_traffic_per_rank_does_not_grow_with_ranks(sharded):
+    """Received bytes per rank: the allgather's grow with P - 1 selections, the sharded
+    exchange's stay near one uplink selection (all-to-all) plus one downlink selection."""
+    p = sharded[0]["size"]
+    for r in sharded:
+        ag, sh = r["traffic_allgather"], r["traffic_sharded"]
+        pair = ag["received"] / ((p - 1) * ag["selected"])  # bytes per received pair
+        assert sh["received"] <= 1.3 * pair * (sh["selected"] + sh["downlink_selected"])
+        if p >= 4:
+            assert sh["received"] < ag["received"]

@@ -1,0 +1,197 @@
+"""Sharded-exchange scenarios (run by tests/test_sharded.py on 2-4 ranks): replicas stay bitwise
+identical for every sparsifier, density 1.0 is the dense average, the unidirectional sharded
+result equals the allgather one bit for bit, exact resume from per-rank state dicts, uneven
+regions, a non-finite step, and the traffic per rank. Each rank writes OUTDIR/rank<r>.json."""
+import copy
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+BACKEND = os.environ.get("HVD_SPARSE_TEST_BACKEND", "horovod")
+if BACKEND == "mpi":
+    sys.modules["horovod"] = None  # the mpi4py path never needs Horovod
+    import hvd_sparse.mpi as hvd
+else:
+    import hvd_sparse as hvd
+
+import scenario_runner as runner  # noqa: E402
+
+torch.set_num_threads(1)
+STEPS = int(os.environ.get("HVD_SPARSE_SHARDED_STEPS", "200"))
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(20, 48), torch.nn.Tanh(), torch.nn.Linear(48, 5))
+
+
+TEACHER = torch.randn(20, 5, generator=torch.Generator().manual_seed(99))
+
+
+def batch(i):
+    """Fresh inputs each step and rank, labelled by one fixed linear teacher (learnable)."""
+    g = torch.Generator().manual_seed(i * 31 + hvd.rank())
+    x = torch.randn(16, 20, generator=g)
+    return x, (x @ TEACHER).argmax(1)
+
+
+def make(m, **kw):
+    kw.setdefault("density", 0.05)
+    kw.setdefault("min_sparse_numel", 0)
+    kw.setdefault("cost_model", "off")
+    kw.setdefault("collective", "sharded")
+    base = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    return hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(), **kw)
+
+
+def train(m, opt, steps, start=0, poison_at=None):
+    losses = []
+    for i in range(start, start + steps):
+        x, y = batch(i)
+        if poison_at == i and hvd.rank() == hvd.size() - 1:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def params(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def same(obj):
+    return runner.same_everywhere(hvd, obj)
+
+
+METHODS = {"topk": {}, "gaussiank": {}, "sbc": {}, "adaptive": {"total_steps": 40},
+           "threshold": {"threshold": 2e-3}, "randomk": {}}
+
+
+def replicas(res):
+    """Every sparsifier: bitwise-identical replicas (topk for STEPS steps), training moves."""
+    for name, extra in METHODS.items():
+        m = model()
+        opt = make(m, sparsifier=name, **extra)
+        steps = STEPS if name == "topk" else 30
+        losses = train(m, opt, steps)
+        view = opt.engine_state()
+        res[f"replicas_{name}_equal"] = same(params(m))
+        res[f"replicas_{name}_finite"] = bool(torch.isfinite(params(m)).all())
+        res[f"replicas_{name}_loss_fell"] = sum(losses[-10:]) < sum(losses[:10])
+        res[f"replicas_{name}_collective"] = sorted({v.collective for v in view.values()
+                                                     if v.sparse})
+        res[f"replicas_{name}_shards"] = [v.shard is not None and v.downlink is None
+                                          for v in view.values() if v.sparse]
+
+
+def dense_average(res):
+    """density 1.0: p.grad after synchronize() is the average of the ranks' gradients."""
+    m = model()
+    opt = make(m, density=1.0)
+    x, y = batch(0)
+    F.cross_entropy(m(x), y).backward()
+    local = [p.grad.detach().clone() for p in m.parameters()]
+    everyone = hvd.allgather_object(local)
+    want = [sum(g[i] for g in everyone) / hvd.size() for i in range(len(local))]
+    opt.synchronize()
+    res["dense_average_maxdiff"] = max(float((p.grad - w).abs().max())
+                                       for p, w in zip(m.parameters(), want))
+    with opt.skip_synchronize():
+        opt.step()
+
+
+def unidirectional_equals_allgather(res):
+    """Without a downlink selection an owner's region sum is the allgather's sum, same order:
+    the two collectives give the same parameters bit for bit."""
+    out = {}
+    for collective in ("allgather", "sharded"):
+        m = model()
+        opt = make(m, bidirectional=False, collective=collective)
+        train(m, opt, 25)
+        out[collective] = params(m)
+        res[f"unidirectional_{collective}_received"] = \
+            opt.communication_stats()["totals"]["bytes_received"]
+    res["unidirectional_equal"] = bool(torch.equal(out["allgather"], out["sharded"]))
+
+
+def resume(res):
+    """Each rank saves its own state dict; resuming from it continues exactly."""
+    m = model()
+    opt = make(m)
+    train(m, opt, 12)
+    saved_model = copy.deepcopy(m.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    train(m, opt, 8, start=12)
+    want = params(m)
+    m2 = model(seed=5)
+    m2.load_state_dict(saved_model)
+    opt2 = make(m2)
+    opt2.load_state_dict(saved_opt)
+    train(m2, opt2, 8, start=12)
+    res["resume_exact"] = bool(torch.equal(want, params(m2)))
+    res["resume_shards_saved"] = all(v["shard"] is not None for v in
+                                     saved_opt["hvd_sparse"]["buckets"].values())
+
+
+def uneven(res):
+    """A bucket shorter than the rank count (some regions empty) and a gradient that lives
+    in one region only."""
+    torch.manual_seed(1)
+    tiny = torch.nn.Parameter(torch.randn(max(1, hvd.size() - 1)))
+    skew = torch.nn.Parameter(torch.zeros(1000))
+    base = torch.optim.SGD([tiny, skew], lr=0.1)
+    opt = hvd.DistributedOptimizer(base, named_parameters=[("tiny", tiny), ("skew", skew)],
+                                   density=0.5, min_sparse_numel=0, cost_model="off",
+                                   collective="sharded")
+    for i in range(6):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(i + 10 * hvd.rank())
+        tiny.grad = torch.randn(tiny.shape, generator=g)
+        grad = torch.zeros(1000)
+        grad[:40] = torch.randn(40, generator=g)  # all in the first region
+        skew.grad = grad
+        opt.step()
+    res["uneven_equal"] = same([tiny.detach(), skew.detach()])
+    res["uneven_moved"] = bool(skew.detach()[:40].abs().sum() > 0)
+    res["uneven_rest_zero"] = bool((skew.detach()[40:] == 0).all())
+
+
+def nonfinite(res):
+    """A NaN on the last rank at step 3: every rank sees it (default policy hands NaN to
+    p.grad; the SGD step then writes NaN, so train() with poison uses 'skip' here)."""
+    m = model()
+    opt = make(m, nonfinite="skip")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(m, opt, 8, poison_at=3)
+    stats = opt.communication_stats()
+    res["nonfinite_steps"] = stats["nonfinite_steps"]
+    res["nonfinite_skipped"] = stats["skipped_steps"]
+    res["nonfinite_equal"] = same(params(m))
+    res["nonfinite_finite"] = bool(torch.isfinite(params(m)).all())
+
+
+def traffic(res):
+    """Bytes per rank per step, sharded against allgather, same model and density."""
+    for collective in ("allgather", "sharded"):
+        m = model()
+        opt = make(m, density=0.05, collective=collective)
+        train(m, opt, 5)
+        t = opt.communication_stats()["totals"]
+        res[f"traffic_{collective}"] = {"received": t["bytes_received"] / 5,
+                                        "sent": t["bytes_sent"] / 5,
+                                        "selected": t["selected"] / 5,
+                                        "downlink_selected": t.get("downlink_selected", 0) / 5}
+
+
+SCENARIOS = [replicas, dense_average, unidirectional_equals_allgather, resume, uneven, nonfinite,
+             traffic]
+
+if __name__ == "__main__":
+    runner.run_scenarios(hvd, SCENARIOS)
