@@ -21,7 +21,6 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from . import golomb
