@@ -79,3 +79,13 @@ def dense_time(nbytes: float, world_size: int, link: Link, by: str = "reduce") -
     if by == "gather":
         return link.gather_latency_s + world_size * nbytes / link.gather_bandwidth_Bps
     return link.reduce_latency_s + nbytes / link.reduce_bandwidth_Bps
+
+
+def sharded_time(compute_s: float, payload_bytes: float, world_size: int, link: Link,
+                 downlink_ratio: float = 1.0) -> float:
+    """One bucket's sharded step: own compute, an all-to-all that brings this rank about one
+    payload's worth ((P - 1) / P of a payload of ``payload_bytes``) and an allgather of the
+    owners' selections (``downlink_ratio`` payloads' worth, the same share); two latencies."""
+    share = (world_size - 1) / world_size
+    return (compute_s + 2 * link.gather_latency_s
+            + payload_bytes * share * (1.0 + downlink_ratio) / link.gather_bandwidth_Bps)

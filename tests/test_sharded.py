@@ -72,3 +72,10 @@ def test_traffic_per_rank_does_not_grow_with_ranks(sharded):
         assert sh["received"] <= 1.3 * pair * (sh["selected"] + sh["downlink_selected"])
         if p >= 4:
             assert sh["received"] < ag["received"]
+
+
+def test_auto_chooses_per_bucket_the_same_on_every_rank(sharded):
+    for r in sharded:
+        assert r["auto_same_choices"] and r["auto_equal"] and r["auto_equal_after_switch"]
+        assert set(r["auto_choices"].values()) <= {"allgather", "sharded"}
+        assert r["auto_choices"] and all(r["auto_switch_keeps_residual"])

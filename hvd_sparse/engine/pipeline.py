@@ -73,6 +73,11 @@ class Engine:
         self.launch_order = list(reversed(self.buckets))
         self.state: Dict[int, BucketState] = {
             b.index: BucketState.for_bucket(b, config.momentum_correction) for b in self.buckets}
+        if config.collective == "auto" and transport.size() >= 4:
+            # before the time model is calibrated: bytes alone (received per rank, P payloads
+            # against about two) favour the sharded exchange from 4 ranks on
+            for st in self.state.values():
+                st.collective = "sharded"
         self.inflight: Dict[int, InFlight] = {}
         self.steps = 0
         self.local_count = 0
@@ -164,6 +169,7 @@ class Engine:
             "calibrated_at": self.calibrated_at,
             "buckets": {b.name: {"downlink": self.state[b.index].downlink.buffer,
                                  "mode": self.state[b.index].mode,
+                                 "collective": self.state[b.index].collective,
                                  "costs": dict(self.state[b.index].costs)}
                         for b in self.buckets if b.sparse},
             "anchors": {b.name: self.state[b.index].anchor for b in self.buckets
@@ -184,6 +190,7 @@ class Engine:
                 d = entry["downlink"]
                 st.downlink.load(None if d is None else d.to(device))
                 st.mode = entry.get("mode", "sparse")
+                st.collective = entry.get("collective", st.collective)
                 st.costs = dict(entry.get("costs", {}))
             a = saved.get("anchors", {}).get(b.name)
             st.anchor = None if a is None else a.to(device).clone()
@@ -607,6 +614,31 @@ class Engine:
             st.shard_layout = layout
         return st.shard.ensure(torch.empty(0, device=device))
 
+    def _set_collective(self, b, new: str) -> None:
+        """Switch a bucket between the collectives ("auto", at calibration, on every rank):
+        the replicated downlink residual is cut into regions, or the owners' regions are
+        allgathered back into it; no mass is lost either way."""
+        st = self.state[b.index]
+        if st.collective == new:
+            return
+        device = b.params[0].device
+        lo, hi = self._region(b)
+        if new == "sharded":
+            full = st.downlink.buffer
+            st.shard = None
+            region = self._shard(b, lo, hi, device)
+            if full is not None:
+                region.copy_(full[lo:hi])
+            st.downlink.buffer = None
+        else:
+            mine = st.shard.buffer if st.shard is not None and st.shard.buffer is not None \
+                else torch.zeros(hi - lo, dtype=st.downlink.dtype, device=device)
+            handle = self.transport.allgather_async(
+                mine.contiguous().view(torch.uint8), f"hvd_sparse.{b.index}.{b.name}.regions")
+            st.downlink.load(self.transport.wait(handle).view(st.downlink.dtype))
+            st.shard, st.shard_layout = None, None
+        st.collective = new
+
     def _serve_region(self, b, received):
         """Owner: the entries every rank sent for this rank's region, summed in rank order into
         its region residual (or a zeroed scratch without a downlink), selected, and sent to
@@ -682,8 +714,9 @@ class Engine:
                           received=a2a_bytes - job.own_bytes + gathered.numel() - own_bytes,
                           dense=b.nbytes, selected=job.selected, numel=b.numel,
                           target=job.target, error=job.error, downlink_selected=idx.numel())
+        # what an allgather of this rank's payload would bring (the cost model's common unit)
         self._wire_bytes[b.index] = max(self._wire_bytes.get(b.index, 0),
-                                        a2a_bytes + gathered.numel())
+                                        self.transport.size() * (job.nbytes + job.own_bytes))
 
     # ----------------------------------------------------------------- write
     def _write_sparse(self, b, idx, values, sparse_ids, write, ops, zeroed):
@@ -924,15 +957,21 @@ class Engine:
         compute = agreed[4:4 + len(sparse)]
         gathered = agreed[4 + len(sparse):]
         by = "gather" if (c.deterministic_dense and size > 2) else "reduce"
+        ratio = c.downlink_density / c.density
         for b, cs, nbytes in zip(sparse, compute, gathered):
             st = self.state[b.index]
             if nbytes <= 0:  # never went sparse: no measurement, keep the current choice
                 continue
-            t_sparse = costmodel.sparse_time(cs, nbytes, self.link)
+            t_gather = costmodel.sparse_time(cs, nbytes, self.link)
+            t_sharded = costmodel.sharded_time(cs, nbytes / size, size, self.link, ratio)
+            if c.collective == "auto":
+                self._set_collective(b, "sharded" if t_sharded < t_gather else "allgather")
+            t_sparse = t_sharded if self.collective(b) == "sharded" else t_gather
             t_dense = costmodel.dense_time(b.nbytes, size, self.link, by)
             st.mode = "dense" if t_dense < t_sparse else "sparse"
             st.costs = {"sparse_s": t_sparse, "dense_s": t_dense, "compute_s": cs,
-                        "gathered_bytes": nbytes}
+                        "gathered_bytes": nbytes, "allgather_s": t_gather,
+                        "sharded_s": t_sharded, "collective": self.collective(b)}
         self.calibrated_at = self.steps
 
     def cost_report(self) -> dict:

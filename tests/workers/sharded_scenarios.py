@@ -190,8 +190,40 @@ def traffic(res):
                                         "downlink_selected": t.get("downlink_selected", 0) / 5}
 
 
+def auto(res):
+    """collective="auto": the time cost model picks a collective per bucket, the same on
+    every rank; a bucket's downlink residual survives a switch either way unchanged."""
+    m = model()
+    opt = make(m, collective="auto", cost_model="time", calibration_steps=2)
+    train(m, opt, 10)
+    report = opt.communication_stats()["cost_model"]["buckets"]
+    res["auto_choices"] = {k: v.get("collective") for k, v in report.items()}
+    res["auto_same_choices"] = same(sorted(res["auto_choices"].items()))
+    res["auto_equal"] = same(params(m))
+    m = model()
+    opt = make(m, collective="auto", cost_model="off")  # every bucket stays sparse
+    train(m, opt, 4)
+    engine = opt._hs_engine
+    kept = []
+    for b in engine.buckets:
+        if not b.sparse:
+            continue
+        engine._set_collective(b, "allgather")
+        full = engine.view()[b.name].downlink
+        engine._set_collective(b, "sharded")
+        region = engine.view()[b.name].shard
+        engine._set_collective(b, "allgather")
+        lo, hi = engine._region(b)
+        kept.append(full is not None and (bool(full.any()) or b.numel < 100)
+                    and torch.equal(full, engine.view()[b.name].downlink)
+                    and torch.equal(full[lo:hi], region))
+    res["auto_switch_keeps_residual"] = kept
+    train(m, opt, 3, start=10)
+    res["auto_equal_after_switch"] = same(params(m))
+
+
 SCENARIOS = [replicas, dense_average, unidirectional_equals_allgather, resume, uneven, nonfinite,
-             traffic]
+             traffic, auto]
 
 if __name__ == "__main__":
     runner.run_scenarios(hvd, SCENARIOS)
