@@ -50,7 +50,9 @@ def levers(steps):
     return {
         "dense": ["--optimizer", "dense"],
         "topk1%-grad": ["--density", "0.01", *grad],
+        "topk1%-grad-sharded": ["--density", "0.01", *grad, "--collective", "sharded"],
         "topk1%-update": ["--density", "0.01", *update],
+        "topk1%-update-sharded": ["--density", "0.01", *update, "--collective", "sharded"],
         "topk1%-grad-unidirectional": ["--density", "0.01", *grad, "--no-bidirectional"],
         "topk1%-update-unidirectional": ["--density", "0.01", *update, "--no-bidirectional"],
         "topk1%-grad-warmup": ["--density", "0.01", *grad, *warm],

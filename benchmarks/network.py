@@ -11,8 +11,8 @@ variant, then again) so slow drifts of the machine hit all of them alike; each r
 ``--steps`` steps after two warm-up steps and the row keeps the median over repeats.
 
 Sparse variants: ``topk`` is what a user gets by default (the time-based cost model may send
-buckets dense); ``topk_sparse`` and the other methods run with ``--cost-model off``, so they
-show the sparse path itself. Their per-stage means (uplink select, encode, collective wait,
+buckets dense); ``topk_sparse`` (allgather), ``topk_sharded`` (``--collective sharded``) and
+the other methods run with ``--cost-model off``, so they show the sparse path itself. Their per-stage means (uplink select, encode, collective wait,
 decode, uplink commit, aggregate, downlink select, write, dense) are kept.
 
 Results: benchmarks/results/network.json, network.png (step times) and network_stages.png (a
@@ -39,6 +39,8 @@ OPTIMIZERS = {
     "dense": ["--optimizer", "dense"],
     "topk": ["--optimizer", "sparse", "--sparsifier", "topk"],
     "topk_sparse": ["--optimizer", "sparse", "--sparsifier", "topk", *OFF],
+    "topk_sharded": ["--optimizer", "sparse", "--sparsifier", "topk", "--collective", "sharded",
+                     *OFF],
     "gaussiank": ["--optimizer", "sparse", "--sparsifier", "gaussiank", *OFF],
     "threshold": ["--optimizer", "sparse", "--sparsifier", "threshold", "--threshold", "6e-3",
                   *OFF],
@@ -79,12 +81,13 @@ def main():
     if args.merge and (RESULTS / "network.json").exists():
         old = json.loads((RESULTS / "network.json").read_text())["rows"]
         rows = [r for r in old if not (r["model"] in args.models and r["rate"] in args.rates
-                                       and r["ranks"] in args.ranks)]
+                                       and r["ranks"] in args.ranks
+                                       and r.get("density") == float(args.density))]
     for model in args.models:
         for rate in args.rates:
             for ranks in args.ranks:
                 names = [n for n in args.optimizers
-                         if n in ("floor", "dense", "topk", "topk_sparse")
+                         if n in ("floor", "dense", "topk", "topk_sparse", "topk_sharded")
                          or ranks in args.methods_at]
                 got = {n: [] for n in names}
                 for rep in range(args.repeats):

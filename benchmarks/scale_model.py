@@ -5,6 +5,9 @@
 Model, per step, for a model of N float32 parameters at density d (k = dN entries of 8 bytes):
     ring allreduce (dense):  T = 2 (P-1) a + 2 (P-1)/P * 4N / B
     allgather (sparse):      T = c + (P-1) a + (P-1) * 8k / B
+    sharded (sparse):        T = c + 2 (P-1) a + 2 (P-1)/P * 8k / B
+                             (an all-to-all of the uplink selection, an allgather of the
+                             owners' selections at the same density)
     hvd_sparse with the dense fallback: the smaller of the two (decided per bucket by bytes)
 These are per-rank costs on a switched network where every rank has its own link of bandwidth B.
 The measurements come from ``launch/slownet.sh``, where all ranks share ONE shaped link, so the
@@ -29,7 +32,18 @@ def design(opt, p, n, density):
     if opt == "dense":
         return 2 * (p - 1), 2 * (p - 1) / p * 4 * n
     k = density * n
+    if opt == "sharded":
+        return 2 * (p - 1), 2 * (p - 1) / p * 8 * k
     return (p - 1), (p - 1) * 8 * k
+
+
+def engine_compute_s(n):
+    """The engine's own time per step for Top-K 1% at the benchmark size nearest ``n``."""
+    path = RESULTS / "engine_cpu.json"
+    if not path.exists():
+        return None
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["sparsifier"] == "topk"]
+    return min(rows, key=lambda r: abs(r["n"] - n))["engine_s"] if rows else None
 
 
 def fit(points):
@@ -63,26 +77,43 @@ def main():
         print(f"{rate:8}: latency {a * 1e3:.2f} ms, bandwidth {b * 8 / 1e6:.1f} Mbit/s, "
               f"sparse overhead {c * 1e3:.0f} ms/step")
     n = 11_388_010
+    if "1gbit" in fits:
+        fits["10gbit (assumed)"] = dict(fits["1gbit"], bandwidth_Bps=10 * fits["1gbit"][
+            "bandwidth_Bps"], points=0)
+    engine_c = engine_compute_s(n)
     ranks = np.unique(np.logspace(1, 10, 40, base=2).astype(int))
     curves = {}
     for rate, f in fits.items():
         for density in (0.01, 0.001):
             dense = [design("dense", p, n, density) for p in ranks]
             sparse = [design("topk", p, n, density) for p in ranks]
+            shard = [design("sharded", p, n, density) for p in ranks]
             td = [x * f["latency_s"] + y / f["bandwidth_Bps"] for x, y in dense]
             ts = [f["sparse_overhead_s"] + x * f["latency_s"] + y / f["bandwidth_Bps"]
                   for x, y in sparse]
+            c_sh = engine_c if engine_c is not None else f["sparse_overhead_s"]
+            tsh = [c_sh + x * f["latency_s"] + y / f["bandwidth_Bps"] for x, y in shard]
             wins = [s < d for d, s in zip(td, ts)]
             cross = next((int(p) for p, d, s, w in zip(ranks, td, ts, wins)
                           if s >= d and any(wins[:list(ranks).index(p)])), None)
+            sh_wins = [s < d for d, s in zip(td, tsh)]
             curves[f"{rate}/{density}"] = {"ranks": ranks.tolist(), "dense_s": td, "sparse_s": ts,
                                            "fallback_s": [min(d, s) for d, s in zip(td, ts)],
-                                           "allgather_stops_paying_at": cross}
+                                           "sharded_s": tsh, "sharded_compute_s": c_sh,
+                                           "allgather_stops_paying_at": cross,
+                                           "sharded_beats_dense_up_to": max(
+                                               (int(p) for p, w in zip(ranks, sh_wins) if w),
+                                               default=None),
+                                           "sharded_beats_dense_everywhere": all(sh_wins)}
             note = (f"stops paying at {cross} ranks" if cross else
                     "pays up to 1024 ranks" if all(wins) else
                     "never pays" if not any(wins) else "pays in places")
             curves[f"{rate}/{density}"]["summary"] = note
-            print(f"{rate:8} density {density}: allgather {note}")
+            sh = curves[f"{rate}/{density}"]
+            print(f"{rate:8} density {density}: allgather {note}; sharded "
+                  + ("beats ring allreduce at every rank count to 1024"
+                     if sh["sharded_beats_dense_everywhere"] else
+                     f"beats ring allreduce up to {sh['sharded_beats_dense_up_to']} ranks"))
     save("scale_model", {"machine": machine(), "model_parameters": n, "fits": fits,
                          "curves": curves})
     import matplotlib
@@ -91,9 +122,11 @@ def main():
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, c in curves.items():
+        if not key.endswith("/0.01"):
+            continue
         line, = ax.loglog(c["ranks"], c["sparse_s"], "--", label=f"allgather {key}")
-        ax.loglog(c["ranks"], c["fallback_s"], "-", color=line.get_color(),
-                  label=f"with dense fallback {key}")
+        ax.loglog(c["ranks"], c["sharded_s"], "-", color=line.get_color(),
+                  label=f"sharded {key}")
     for rate in fits:
         c = curves[f"{rate}/0.01"]
         ax.loglog(c["ranks"], c["dense_s"], ":", color="k", label=f"ring allreduce {rate}")

@@ -170,3 +170,42 @@ def test_bucket_plans_are_deterministic_and_complete():
     explicit = buckets.plan_buckets(named, groups=[[m[0].weight, m[0].bias]])
     assert explicit[0].names == ["0.weight", "0.bias"] and len(explicit) == 5
     assert len(buckets.plan_buckets(named, groups=2)) == 2
+
+
+def test_sharded_regions_cover_the_bucket_in_rank_order():
+    from hvd_sparse.engine import sharded
+
+    for numel, size in [(10, 3), (2, 4), (0, 2), (1000, 7)]:
+        b = sharded.region_bounds(numel, size)
+        assert len(b) == size + 1 and b[0] == 0 and b[-1] == numel
+        lengths = [hi - lo for lo, hi in zip(b[:-1], b[1:])]
+        assert all(x >= 0 for x in lengths) and max(lengths) - min(lengths) <= 1
+    idx = torch.tensor([0, 3, 4, 9])
+    assert sharded.cut_points(idx, sharded.region_bounds(10, 3)) == [0, 2, 3, 4]  # 0-4,4-7,7-10
+    buf, splits = sharded.encode_parts(idx, torch.ones(4), sharded.region_bounds(10, 3),
+                                       constant=False, index_dtype=torch.int32, tag=5, numel=10)
+    assert sum(splits) == buf.numel() and len(splits) == 3
+    parts = [wire.decode_all(part, 1, tag=5, numel=10, bucket="b")[0]
+             for part in torch.split(buf, splits)]
+    assert [p.indices.tolist() for p in parts] == [[0, 3], [4], [9]]
+
+
+def test_sharded_cost_model_and_option():
+    from hvd_sparse import costmodel
+    from hvd_sparse.engine.config import COLLECTIVES
+
+    link = costmodel.Link(1e-4, 1e8, 1e-4, 1e8)
+    payload = 1e6
+    for p in (4, 16, 256):  # the allgather brings P payloads, the sharded exchange about two
+        gather = costmodel.sparse_time(0.0, p * payload, link)
+        shard = costmodel.sharded_time(0.0, payload, p, link)
+        assert shard < gather
+    # two latencies: a tiny bucket at 2 ranks is cheaper by allgather
+    assert costmodel.sharded_time(0.0, 100, 2, link) > costmodel.sparse_time(0.0, 200, link)
+    assert COLLECTIVES == ("allgather", "sharded", "auto")
+    import hvd_sparse
+
+    p = torch.nn.Parameter(torch.zeros(10))
+    with pytest.raises(ValueError, match="collective"):
+        hvd_sparse.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("p", p)],
+                                        collective="ring", transport="local")
