@@ -65,33 +65,44 @@ def check_kernels(path):
 
 
 def check_mpi(path):
+    """Two ranks on the one GPU over mpi4py: 50 steps per (collective, sparsifier), replicas
+    compared bit for bit."""
     import hvd_sparse.mpi as hvd
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 10)).cuda()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=model.named_parameters(), density=0.01,
-                                   cost_model="off", min_sparse_numel=0)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    gen = torch.Generator().manual_seed(100 + rank)
-    for _ in range(50):
-        x = torch.randn(32, 256, generator=gen).cuda()
-        y = torch.randint(0, 10, (32,), generator=gen).cuda()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
-    digests = hvd.allgather_object(flat.numpy().tobytes())
-    same = all(d == digests[0] for d in digests)
+    runs = {}
+    for collective in ("allgather", "sharded"):
+        for sparsifier in ("topk", "gaussiank", "sbc"):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                        torch.nn.Linear(512, 10)).cuda()
+            opt = hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                named_parameters=model.named_parameters(), density=0.01, cost_model="off",
+                min_sparse_numel=0, collective=collective, sparsifier=sparsifier)
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            gen = torch.Generator().manual_seed(100 + rank)
+            for _ in range(50):
+                x = torch.randn(32, 256, generator=gen).cuda()
+                y = torch.randint(0, 10, (32,), generator=gen).cuda()
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+            digests = hvd.allgather_object(flat.numpy().tobytes())
+            runs[f"{collective}/{sparsifier}"] = {
+                "replicas_identical": all(d == digests[0] for d in digests),
+                "finite": bool(torch.isfinite(flat).all()),
+                "stats": opt.communication_stats()}
+    same = all(r["replicas_identical"] and r["finite"] for r in runs.values())
     if rank == 0:
         with open(path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "ranks": size,
-                       "replicas_identical": same,
-                       "stats": opt.communication_stats()}, f, indent=1, default=str)
-        print(f"mpi: {size} ranks on one GPU, replicas identical: {same}")
+                       "replicas_identical": same, "runs": runs}, f, indent=1, default=str)
+        for name, r in runs.items():
+            print(f"mpi {name}: {size} ranks on one GPU, replicas identical: "
+                  f"{r['replicas_identical']}")
     return same
 
 
