@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/accuracy.py [--rate 1gbit] [--epochs 2] [--lstm-epochs 3]
 
 Fashion-MNIST with the ResNet-style CNN at 1% and 0.1% density against dense, and the
-Shakespeare character LSTM at 1% against dense, all on 2 ranks behind ``launch/slownet.sh RATE``.
+Shakespeare character LSTM at 1% against dense, all on 2 ranks behind ``launch/slownet.sh RATE``;
+the ``-sharded`` runs use ``--collective sharded`` (select them with ``--only``, and keep them
+apart with ``--out``).
 Per-epoch records go to benchmarks/results/accuracy.json; accuracy.png plots the metric against
 wall-clock time and against bytes sent.
 """
@@ -30,8 +32,12 @@ def runs(args):
         # the sparse method itself: the time cost model could send buckets dense
         "fashion/topk-1%": fm + ["--density", "0.01", "--cost-model", "off"],
         "fashion/topk-0.1%": fm + ["--density", "0.001", "--cost-model", "off"],
+        "fashion/topk-1%-sharded": fm + ["--density", "0.01", "--cost-model", "off",
+                                         "--collective", "sharded"],
         "shakespeare/dense": sh + ["--optimizer", "dense"],
         "shakespeare/topk-1%": sh + ["--density", "0.01", "--cost-model", "off"],
+        "shakespeare/topk-1%-sharded": sh + ["--density", "0.01", "--cost-model", "off",
+                                             "--collective", "sharded"],
     }
 
 
@@ -43,6 +49,7 @@ def main():
     p.add_argument("--lstm-epochs", type=int, default=3)
     p.add_argument("--lstm-steps", type=int, default=300)
     p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--out", default="accuracy", help="results name (JSON and PNG)")
     args = p.parse_args()
     results = {}
     for name, extra in runs(args).items():
@@ -59,9 +66,9 @@ def main():
         metric = "test_accuracy" if "test_accuracy" in last else "valid_loss"
         print(f"{name:22} {metric} {last[metric]:.4f}  wall {last['wall_s']:.1f} s  "
               f"sent {last['bytes_sent'] / 2**20:.1f} MiB", flush=True)
-    save("accuracy", {"machine": machine(), "rate": args.rate, "ranks": args.ranks,
-                      "runs": results})
-    plot(results, RESULTS / "accuracy.png")
+    save(args.out, {"machine": machine(), "rate": args.rate, "ranks": args.ranks,
+                    "runs": results})
+    plot(results, RESULTS / f"{args.out}.png")
 
 
 def plot(results, path):
