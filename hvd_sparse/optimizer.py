@@ -251,7 +251,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          deterministic_dense=True, dense_fallback=True, cost_model="time",
                          calibration_steps=3, recalibrate_every=0, value_dtype=None,
                          nonfinite="propagate", verify_every=0, check_config=True,
-                         collective="allgather", scope="tensor", bucket_cap_mb=25.0,
+                         collective="allgather", sharded_selection="global",
+                         scope="tensor", bucket_cap_mb=25.0,
                          min_sparse_numel=1024,
                          max_bucket_numel=None,
                          transport=None, **unknown):
@@ -305,7 +306,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     (an all-to-all), sums them, re-sparsifies them with its own downlink residual and the
     owners' selections are allgathered (traffic per rank about ``k_up + k_down`` pairs at any
     rank count; :mod:`hvd_sparse.engine.sharded`); ``"auto"``: per bucket, the faster of the two
-    by the time cost model once it is calibrated.
+    by the time cost model once it is calibrated. ``sharded_selection``: how owners re-select
+    a Top-K downlink: ``"global"`` (default; one threshold for the whole bucket, from every
+    owner's magnitude histogram summed by one small allreduce per step, count within one
+    1/16-wide magnitude bin of k) or ``"region"`` (each owner the top of its own region; no
+    extra collective). Other methods select per region.
 
     Safety: ``nonfinite`` says what a NaN/Inf gradient on any rank does; it never enters a
     residual, and every rank does the same. ``"propagate"`` (default, as dense Horovod and
@@ -342,7 +347,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         dense_fallback=dense_fallback, cost_model=cost_model,
         calibration_steps=calibration_steps, recalibrate_every=recalibrate_every,
         value_dtype=value_dtype, nonfinite=nonfinite, verify_every=verify_every,
-        check_config=check_config, collective=collective)
+        check_config=check_config, collective=collective,
+        sharded_selection=sharded_selection)
     if num_groups:
         warnings.warn("Parameter `num_groups` has been replaced by `groups`.", DeprecationWarning)
         groups = num_groups if groups is None else groups

@@ -79,3 +79,15 @@ def test_auto_chooses_per_bucket_the_same_on_every_rank(sharded):
         assert r["auto_same_choices"] and r["auto_equal"] and r["auto_equal_after_switch"]
         assert set(r["auto_choices"].values()) <= {"allgather", "sharded"}
         assert r["auto_choices"] and all(r["auto_switch_keeps_residual"])
+
+
+def test_global_rule_follows_the_whole_bucket(sharded):
+    """k = 40 of 4000 entries, all the mass in the first 200: under the global rule the
+    downlink takes about k entries, all there, nearly all of exact global Top-K's; the region
+    rule keeps only that region's share of k from it."""
+    p = sharded[0]["size"]
+    for r in sharded:
+        assert r["rule_global_equal"] and r["rule_region_equal"]
+        assert 30 <= r["rule_global_selected"] <= 50 and r["rule_global_in_first_region"]
+        assert r["rule_global_global_overlap"] >= 0.75
+        assert r["rule_region_global_overlap"] <= 1.0 / p + 0.1

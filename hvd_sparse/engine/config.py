@@ -17,6 +17,7 @@ from ..sparsifiers import Sparsifier, make_sparsifier
 
 COST_MODELS = ("time", "bytes", "off")
 COLLECTIVES = ("allgather", "sharded", "auto")
+SHARDED_SELECTIONS = ("global", "region")
 EXCHANGES = ("auto", "gradient", "update")
 
 
@@ -71,6 +72,8 @@ class EngineConfig:
     verify_every: int = 0
     check_config: bool = True
     collective: str = "allgather"  # or "sharded" (engine/sharded.py), or "auto" per bucket
+    sharded_selection: str = "global"  # Top-K downlink of a sharded bucket: one threshold
+    # for the whole bucket (a histogram allreduce), or "region": each owner its own top
 
     def describe(self) -> dict:
         """The options as plain values, for the cross-rank configuration digest."""
@@ -116,7 +119,8 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
                  index_coding, momentum_correction, local_clip_norm, density_warmup_steps,
                  dense_warmup_steps, local_steps, track_error, exchange, deterministic_dense,
                  dense_fallback, cost_model, calibration_steps, recalibrate_every, value_dtype,
-                 nonfinite, verify_every, check_config, collective="allgather") -> EngineConfig:
+                 nonfinite, verify_every, check_config, collective="allgather",
+                 sharded_selection="global") -> EngineConfig:
     """Validate the keywords of :func:`hvd_sparse.DistributedOptimizer` (clear errors naming
     the keyword) and freeze them."""
     from .. import compat
@@ -186,6 +190,9 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
     _nonneg_int("recalibrate_every", recalibrate_every)
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+    if sharded_selection not in SHARDED_SELECTIONS:
+        raise ValueError(f"sharded_selection must be one of {SHARDED_SELECTIONS}, "
+                         f"got {sharded_selection!r}")
     return EngineConfig(
         density=density, downlink_density=downlink_density, bidirectional=bidirectional,
         sparsifier=up, downlink_sparsifier=down, average=average,
@@ -197,4 +204,5 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         track_error=bool(track_error), deterministic_dense=bool(deterministic_dense),
         cost_model=cost_model, calibration_steps=calibration_steps,
         recalibrate_every=recalibrate_every, value_dtype=value_dtype, nonfinite=nonfinite,
-        verify_every=verify_every, check_config=bool(check_config), collective=collective)
+        verify_every=verify_every, check_config=bool(check_config), collective=collective,
+        sharded_selection=sharded_selection)

@@ -462,15 +462,19 @@ class Engine:
             if bad:
                 self._nonfinite(bad, received, write)
             else:
+                served = []
                 for b in self.buckets:
                     self._commit_uplink(b, write)
                     if self.inflight[b.index].kind == "sharded":
                         self._serve_region(b, received[b.index])
+                        served.append(b)
                     else:
                         self._apply(b, received[b.index], write)
-                for b in self.buckets:  # the owners' selections, allgathered above
-                    if b.index in self._serving:
-                        self._apply_regions(b, write)
+                thresholds = self._global_thresholds(served)
+                for b in served:
+                    self._select_region(b, thresholds.get(b.index))
+                for b in served:  # the owners' selections, allgathered above
+                    self._apply_regions(b, write)
         finally:
             self._serving.clear()
             self.inflight.clear()
@@ -640,9 +644,8 @@ class Engine:
         st.collective = new
 
     def _serve_region(self, b, received):
-        """Owner: the entries every rank sent for this rank's region, summed in rank order into
-        its region residual (or a zeroed scratch without a downlink), selected, and sent to
-        every rank with an allgather."""
+        """Owner, first half: the entries every rank sent for this rank's region, summed in rank
+        order into its region residual (or a zeroed scratch without a downlink)."""
         c = self.config
         job = self.inflight[b.index]
         payloads, a2a_bytes = received
@@ -663,11 +666,53 @@ class Engine:
             for p in payloads:  # rank order; indices unique within a payload
                 if p.indices.numel():
                     ops.scatter_add(region, p.indices - lo, p.values, scale)
+        self._serving[b.index] = (region, payloads, a2a_bytes)
+
+    def _global_rule(self, b) -> bool:
+        """The downlink of this sharded bucket keeps the bucket's top entries under one global
+        threshold (Top-K with ``sharded_selection="global"``), not each region's own top."""
+        c = self.config
+        return (c.bidirectional and c.sharded_selection == "global"
+                and c.downlink_sparsifier.name == "topk")
+
+    def _global_thresholds(self, served) -> dict:
+        """One allreduce for every bucket under the global rule: each owner's magnitude
+        histogram of its region, summed; from it, the threshold whose count is closest to the
+        bucket's k (within one bin, 1/16 of the magnitude)."""
+        chosen = [b for b in served if self._global_rule(b)]
+        if not chosen:
+            return {}
+        with self.clock.stage("downlink_select"):
+            hists = [kernels.ops_for(self._serving[b.index][0]).magnitude_histogram(
+                self._serving[b.index][0], sharded.HIST_SHIFT) for b in chosen]
+            summed = torch.cat(hists)
+        with self.clock.stage("collective_wait"):
+            handle = self.transport.allreduce_async(summed, "hvd_sparse.histograms",
+                                                    average=False)
+            summed = self.transport.wait(handle).double().cpu()
+        _, down_density = self.densities()
+        out, bins = {}, hists[0].numel()
+        for i, b in enumerate(chosen):
+            k = max(1, int(down_density * b.numel))
+            out[b.index] = sharded.global_threshold(summed[i * bins:(i + 1) * bins], k)
+        return out
+
+    def _select_region(self, b, threshold=None):
+        """Owner, second half: select from the region (by the global threshold when given,
+        else by the downlink sparsifier on the region alone), keep the rest in the region
+        residual, and send the selection to every rank with an allgather."""
+        c = self.config
+        region, payloads, a2a_bytes = self._serving[b.index]
+        lo, hi = self._region(b)
+        ops = kernels.ops_for(region)
         if c.bidirectional:
             _, down_density = self.densities()
             ctx = self._ctx(b, "down")
             with self.clock.stage("downlink_select", b.index):
-                sel = c.downlink_sparsifier.fused(ops, None, region, down_density, ctx)
+                if threshold is not None:
+                    sel = fused.threshold(ops, None, region, threshold)
+                else:
+                    sel = c.downlink_sparsifier.fused(ops, None, region, down_density, ctx)
                 if sel is not None and not sel.nonfinite:
                     idx, values = sel.idx, sel.values
                     wire_values, sent, codec = self._to_wire(b, values, prescale=False)

@@ -72,3 +72,27 @@ def check_region(payloads, lo: int, hi: int, bucket: str) -> None:
         raise wire.PayloadError(
             f"a rank sent positions {smallest}..{largest} of bucket '{bucket}' to the owner of "
             f"{lo}..{hi - 1}: the ranks disagree on the world size or the collective")
+
+
+HIST_SHIFT = 19  # 4096 bins of |x|: the exponent and 4 mantissa bits (1/16 relative width)
+
+
+def global_threshold(hist, k: int) -> float:
+    """From the magnitude histogram of the whole bucket (every owner's, summed): the bin edge
+    whose count of entries at or above it is closest to ``k`` (ties: the lower edge, more
+    entries). Zeros are never selected; non-finite bins are left out."""
+    import numpy as np
+
+    counts = hist.double().cpu().numpy().copy()
+    counts[0xFF << (23 - HIST_SHIFT):] = 0  # exponent 255: Inf/NaN (reported by flags)
+    counts[0] = 0  # zeros and the smallest denormals
+    at_or_above = np.cumsum(counts[::-1])[::-1]  # at_or_above[b]: entries in bins >= b
+    if k <= 0 or at_or_above[0] == 0:
+        return float("inf")
+    b = int(np.searchsorted(-at_or_above, -k, side="right")) - 1  # last bin with >= k above
+    b = max(b, 0)
+    if b + 1 < counts.size and at_or_above[b] - k > k - at_or_above[b + 1] \
+            and at_or_above[b + 1] > 0:
+        b += 1  # the upper edge is closer to k
+    edge = np.array([max(b, 1) << HIST_SHIFT], dtype=np.uint32).view(np.float32)[0]
+    return float(edge)

@@ -216,16 +216,16 @@ if HAVE_NUMBA:
             _add_zero_chunk(g[lo:hi], r[lo:hi])
 
     @njit(cache=True)
-    def _histogram_chunk(bits, h):
+    def _histogram_chunk(bits, h, shift):
         h[:] = 0
         for i in range(bits.size):
-            h[(bits[i] & 0x7FFFFFFF) >> 16] += 1
+            h[(bits[i] & 0x7FFFFFFF) >> shift] += 1
 
     @njit(parallel=True, cache=True)
-    def _histogram_par(bits, hist, chunk):
+    def _histogram_par(bits, hist, chunk, shift):
         for c in prange(hist.shape[0]):
             lo = c * chunk
-            _histogram_chunk(bits[lo:min(bits.size, lo + chunk)], hist[c])
+            _histogram_chunk(bits[lo:min(bits.size, lo + chunk)], hist[c], shift)
 
 
 def _threads():
@@ -337,9 +337,9 @@ def kth_magnitude(g, r, k: int) -> np.float32:
     nchunks, chunk = _chunks(bits.size)
     hist = np.empty((nchunks, BINS), dtype=np.int64)
     if nchunks == 1:
-        _histogram_chunk(bits, hist[0])
+        _histogram_chunk(bits, hist[0], 16)
     else:
-        _histogram_par(bits, hist, chunk)
+        _histogram_par(bits, hist, chunk, 16)
     from_top = np.cumsum(hist.sum(axis=0)[::-1])
     b = BINS - 1 - int(np.searchsorted(from_top, k))
     return np.array([b << 16], dtype=np.uint32).view(np.float32)[0]
@@ -400,6 +400,17 @@ def set_at(target, idx, vals) -> None:
     if vals.dtype != target.dtype or target.dtype != torch.float32:
         return reference.set_at(target, idx, vals)
     _set_at(_np(target), idx.numpy(), vals.contiguous().numpy())
+
+
+def magnitude_histogram(r, shift: int) -> torch.Tensor:
+    """Counts of ``|r|`` per bin of its float32 bits shifted right by ``shift`` (bins order
+    like magnitudes), as float64 (exact to 2**53, and summable by any transport)."""
+    if r.dtype != torch.float32:
+        return reference.magnitude_histogram(r, shift)
+    bits = _np(r).view(np.uint32)
+    hist = np.empty((1, 1 << (31 - shift)), dtype=np.int64)
+    _histogram_chunk(bits, hist[0], shift)
+    return torch.from_numpy(hist[0].astype(np.float64))
 
 
 def warm_up() -> None:

@@ -203,3 +203,4 @@ commit = reference.commit
 scatter_add = reference.scatter_add
 set_at = reference.set_at
 support_sum = reference.support_sum
+magnitude_histogram = reference.magnitude_histogram

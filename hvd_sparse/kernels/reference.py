@@ -140,3 +140,11 @@ def support_sum(scratch, payloads, scale: float):
         out.index_add_(0, inverse[start:start + m], vals * scale if scale != 1.0 else vals)
         start += m
     return out
+
+
+def magnitude_histogram(r, shift: int) -> torch.Tensor:
+    """Counts of ``|r|`` per bin of its float32 bits shifted right by ``shift`` (bins order
+    like magnitudes), as float64 on the host."""
+    bits = r.detach().float().contiguous().view(torch.int32) & 0x7FFFFFFF
+    return torch.bincount((bits >> shift).reshape(-1).long(),
+                          minlength=1 << (31 - shift)).double().cpu()
