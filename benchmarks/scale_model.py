@@ -89,9 +89,10 @@ def main():
             sparse = [design("topk", p, n, density) for p in ranks]
             shard = [design("sharded", p, n, density) for p in ranks]
             td = [x * f["latency_s"] + y / f["bandwidth_Bps"] for x, y in dense]
-            ts = [f["sparse_overhead_s"] + x * f["latency_s"] + y / f["bandwidth_Bps"]
-                  for x, y in sparse]
+            # both sparse collectives with the same compute constant: the engine's own time
+            # (the fitted end-to-end overhead when there is no engine measurement)
             c_sh = engine_c if engine_c is not None else f["sparse_overhead_s"]
+            ts = [c_sh + x * f["latency_s"] + y / f["bandwidth_Bps"] for x, y in sparse]
             tsh = [c_sh + x * f["latency_s"] + y / f["bandwidth_Bps"] for x, y in shard]
             wins = [s < d for d, s in zip(td, ts)]
             cross = next((int(p) for p, d, s, w in zip(ranks, td, ts, wins)
