@@ -635,13 +635,21 @@ class Engine:
                 region.copy_(full[lo:hi])
             st.downlink.buffer = None
         else:
-            mine = st.shard.buffer if st.shard is not None and st.shard.buffer is not None \
-                else torch.zeros(hi - lo, dtype=st.downlink.dtype, device=device)
-            handle = self.transport.allgather_async(
-                mine.contiguous().view(torch.uint8), f"hvd_sparse.{b.index}.{b.name}.regions")
-            st.downlink.load(self.transport.wait(handle).view(st.downlink.dtype))
-            st.shard, st.shard_layout = None, None
+            self._regions_to_replicated(b)
         st.collective = new
+
+    def _regions_to_replicated(self, b) -> None:
+        """Every owner's region residual allgathered (regions in rank order) into the bucket's
+        replicated downlink residual; called on every rank alike (at calibration)."""
+        st = self.state[b.index]
+        device = b.params[0].device
+        lo, hi = self._region(b)
+        mine = st.shard.buffer if st.shard is not None and st.shard.buffer is not None \
+            else torch.zeros(hi - lo, dtype=st.downlink.dtype, device=device)
+        handle = self.transport.allgather_async(
+            mine.contiguous().view(torch.uint8), f"hvd_sparse.{b.index}.{b.name}.regions")
+        st.downlink.load(self.transport.wait(handle).view(st.downlink.dtype))
+        st.shard, st.shard_layout = None, None
 
     def _serve_region(self, b, received):
         """Owner, first half: the entries every rank sent for this rank's region, summed in rank
@@ -1014,6 +1022,9 @@ class Engine:
             t_sparse = t_sharded if self.collective(b) == "sharded" else t_gather
             t_dense = costmodel.dense_time(b.nbytes, size, self.link, by)
             st.mode = "dense" if t_dense < t_sparse else "sparse"
+            if st.mode == "dense" and self.collective(b) == "sharded":
+                # the first dense exchange flushes the downlink residual: it must be whole
+                self._regions_to_replicated(b)
             st.costs = {"sparse_s": t_sparse, "dense_s": t_dense, "compute_s": cs,
                         "gathered_bytes": nbytes, "allgather_s": t_gather,
                         "sharded_s": t_sharded, "collective": self.collective(b)}
