@@ -309,8 +309,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     by the time cost model once it is calibrated. ``sharded_selection``: how owners re-select
     a Top-K downlink: ``"global"`` (default; one threshold for the whole bucket, from every
     owner's magnitude histogram summed by one small allreduce per step, count within one
-    1/16-wide magnitude bin of k) or ``"region"`` (each owner the top of its own region; no
-    extra collective). Other methods select per region.
+    1/8-wide magnitude bin of k; for buckets whose downlink k is at least 16,384, below which
+    the histogram would cost more than a quarter of the selection) or ``"region"`` (each owner
+    the top of its own region; no extra collective). Other methods select per region.
 
     Safety: ``nonfinite`` says what a NaN/Inf gradient on any rank does; it never enters a
     residual, and every rank does the same. ``"propagate"`` (default, as dense Horovod and

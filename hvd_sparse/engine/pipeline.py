@@ -98,6 +98,7 @@ class Engine:
         self._local_nonfinite: List[str] = []
         self._flag_at_exchange = False  # communication delay: a local step saw NaN/Inf
         self._serving = {}  # sharded buckets: this rank's region selection, being allgathered
+        self._histogram_bytes = {}  # sharded buckets under the global rule: this step's share
 
     # ----------------------------------------------------------------- small helpers
     def _ctx(self, b, direction):
@@ -477,6 +478,7 @@ class Engine:
                     self._apply_regions(b, write)
         finally:
             self._serving.clear()
+            self._histogram_bytes.clear()
             self.inflight.clear()
             self._snapshots.clear()
             self._sparsifier_snapshot = None
@@ -678,15 +680,18 @@ class Engine:
 
     def _global_rule(self, b) -> bool:
         """The downlink of this sharded bucket keeps the bucket's top entries under one global
-        threshold (Top-K with ``sharded_selection="global"``), not each region's own top."""
+        threshold (Top-K with ``sharded_selection="global"``, and a downlink k large enough
+        for the histogram to be cheap beside it), not each region's own top."""
         c = self.config
+        _, down_density = self.densities()
         return (c.bidirectional and c.sharded_selection == "global"
-                and c.downlink_sparsifier.name == "topk")
+                and c.downlink_sparsifier.name == "topk"
+                and int(down_density * b.numel) >= sharded.GLOBAL_RULE_MIN_K)
 
     def _global_thresholds(self, served) -> dict:
         """One allreduce for every bucket under the global rule: each owner's magnitude
         histogram of its region, summed; from it, the threshold whose count is closest to the
-        bucket's k (within one bin, 1/16 of the magnitude)."""
+        bucket's k (within one bin, 1/8 of the magnitude)."""
         chosen = [b for b in served if self._global_rule(b)]
         if not chosen:
             return {}
@@ -700,6 +705,9 @@ class Engine:
             summed = self.transport.wait(handle).double().cpu()
         _, down_density = self.densities()
         out, bins = {}, hists[0].numel()
+        size = self.transport.size()
+        for b in chosen:  # a ring allreduce moves 2 (P-1)/P of the tensor each way per rank
+            self._histogram_bytes[b.index] = int(2 * (size - 1) / size * bins * 8)
         for i, b in enumerate(chosen):
             k = max(1, int(down_density * b.numel))
             out[b.index] = sharded.global_threshold(summed[i * bins:(i + 1) * bins], k)
@@ -763,8 +771,10 @@ class Engine:
         ops = kernels.ops_for(grad if grad is not None and not grad.is_sparse else values)
         with self.clock.stage("write", b.index):
             self._write_sparse(b, idx, values, job.sparse_grads, write, ops, job.zeroed)
-        self.stats.record(b.name, sent=job.nbytes + own_bytes,
-                          received=a2a_bytes - job.own_bytes + gathered.numel() - own_bytes,
+        hist = self._histogram_bytes.pop(b.index, 0)
+        self.stats.record(b.name, sent=job.nbytes + own_bytes + hist,
+                          received=a2a_bytes - job.own_bytes + gathered.numel() - own_bytes
+                          + hist,
                           dense=b.nbytes, selected=job.selected, numel=b.numel,
                           target=job.target, error=job.error, downlink_selected=idx.numel())
         # what an allgather of this rank's payload would bring (the cost model's common unit)

@@ -74,7 +74,12 @@ def check_region(payloads, lo: int, hi: int, bucket: str) -> None:
             f"{lo}..{hi - 1}: the ranks disagree on the world size or the collective")
 
 
-HIST_SHIFT = 19  # 4096 bins of |x|: the exponent and 4 mantissa bits (1/16 relative width)
+HIST_SHIFT = 20  # 2048 bins of |x|: the exponent and 3 mantissa bits (1/8 relative width)
+BINS = 1 << (31 - HIST_SHIFT)
+# the histogram's allreduce (about 2 x 8 bytes per bin per rank) must cost at most a quarter of
+# the downlink selection it steers (8 bytes per pair): buckets with k below this keep the
+# per-region rule
+GLOBAL_RULE_MIN_K = 8 * BINS
 
 
 def global_threshold(hist, k: int) -> float:
