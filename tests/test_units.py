@@ -209,3 +209,24 @@ def test_sharded_cost_model_and_option():
     with pytest.raises(ValueError, match="collective"):
         hvd_sparse.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("p", p)],
                                         collective="ring", transport="local")
+
+
+def test_global_threshold_counts_close_to_k():
+    """The summed magnitude histogram gives a threshold whose count is within one bin of k,
+    the same from the numba and the torch histogram; no entries gives no selection."""
+    from hvd_sparse.engine import sharded
+    from hvd_sparse.kernels import cpu, reference
+
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(0))
+    halves = [x[:100_000], x[100_000:]]  # two owners' regions
+    hist = sum(reference.magnitude_histogram(h, sharded.HIST_SHIFT) for h in halves)
+    if cpu.available():
+        assert torch.equal(hist, sum(cpu.magnitude_histogram(h, sharded.HIST_SHIFT)
+                                     for h in halves))
+    for k in (10, 2_000, 50_000):
+        t = sharded.global_threshold(hist, k)
+        count = int((x.abs() >= t).sum())
+        edges = x.abs()[(x.abs() >= t / 1.125) & (x.abs() < t * 1.125)].numel()
+        assert abs(count - k) <= edges
+    assert sharded.global_threshold(torch.zeros(sharded.BINS, dtype=torch.float64), 5) == \
+        float("inf")

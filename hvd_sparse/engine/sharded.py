@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+import numpy as np
 import torch
 
 from .. import wire
@@ -86,8 +87,6 @@ def global_threshold(hist, k: int) -> float:
     """From the magnitude histogram of the whole bucket (every owner's, summed): the bin edge
     whose count of entries at or above it is closest to ``k`` (ties: the lower edge, more
     entries). Zeros are never selected; non-finite bins are left out."""
-    import numpy as np
-
     counts = hist.double().cpu().numpy().copy()
     counts[0xFF << (23 - HIST_SHIFT):] = 0  # exponent 255: Inf/NaN (reported by flags)
     counts[0] = 0  # zeros and the smallest denormals
