@@ -63,6 +63,8 @@ def main():
     fits = {}
     for rate in sorted({r["rate"] for r in rows}):
         dense = [r for r in rows if r["rate"] == rate and r["optimizer"] == "dense"]
+        if not dense:  # nothing to fit latency and bandwidth to at this rate
+            continue
         # shared link: the link carries every rank's bytes (P x the per-rank ring volume)
         pts = [(2 * (r["ranks"] - 1), 2 * (r["ranks"] - 1) * 4 * r["parameters"],
                 max(r["step_s"] - r["floor_s"], 0.0)) for r in dense]

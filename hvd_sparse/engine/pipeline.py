@@ -1137,8 +1137,11 @@ class Engine:
         if dropped:
             warnings.warn(
                 f"sharded exchange: the region residuals of {', '.join(dropped)} were saved by "
-                f"another rank or world size and start from zero on rank {self.transport.rank()}"
-                " (save one state dict per rank to restore them exactly)")
+                "another rank or world size and start from zero on rank "
+                f"{self.transport.rank()} of {self.transport.size()}: each is held by its "
+                "owner alone and cannot be re-sharded from one rank's file; to keep them, "
+                "save one state dict per rank and resume each rank from its own with the "
+                "same number of ranks")
 
     def reset_round(self):
         self.inflight.clear()
