@@ -91,3 +91,14 @@ def test_global_rule_follows_the_whole_bucket(sharded):
         assert 17_000 <= r["rule_global_selected"] <= 23_000
         assert r["rule_global_in_first_region"] and r["rule_global_overlap"] >= 0.85
         assert r["rule_region_overlap"] <= 1.0 / p + 0.05
+
+
+def test_rank0_checkpoint_loaded_everywhere(sharded):
+    """Rank 0's state dict on every rank: rank 0 gets its region residuals back, the others
+    are told theirs start from zero; training goes on with identical replicas."""
+    for r in sharded:
+        assert r["rank0_ckpt_equal"]
+        if r["rank"] == 0:
+            assert r["rank0_ckpt_own_restored"] and not r["rank0_ckpt_warned"]
+        else:
+            assert r["rank0_ckpt_warned"]

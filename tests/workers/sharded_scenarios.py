@@ -249,8 +249,32 @@ def selection_rules(res):
         res[f"rule_{rule}_equal"] = same(skew.detach())
 
 
+def rank0_checkpoint(res):
+    """The usual Horovod resume, rank 0's file loaded everywhere: rank 0 restores its region
+    residuals, the others start theirs from zero with a warning; replicas stay identical."""
+    import warnings
+
+    m = model()
+    opt = make(m)
+    train(m, opt, 6)
+    saved = hvd.allgather_object((copy.deepcopy(m.state_dict()), opt.state_dict()))[0]
+    m2 = model(seed=3)
+    m2.load_state_dict(saved[0])
+    opt2 = make(m2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt2.load_state_dict(saved[1])
+    res["rank0_ckpt_warned"] = any("cannot be re-sharded" in str(w.message) for w in caught)
+    shards = [v.shard for v in opt2.engine_state().values() if v.sparse]
+    mine = [v.shard for v in opt.engine_state().values() if v.sparse]
+    res["rank0_ckpt_own_restored"] = all(a is not None and torch.equal(a, b)
+                                         for a, b in zip(shards, mine))
+    train(m2, opt2, 4, start=6)
+    res["rank0_ckpt_equal"] = same(params(m2))
+
+
 SCENARIOS = [replicas, dense_average, unidirectional_equals_allgather, resume, uneven, nonfinite,
-             traffic, auto, selection_rules]
+             traffic, auto, selection_rules, rank0_checkpoint]
 
 if __name__ == "__main__":
     runner.run_scenarios(hvd, SCENARIOS)
