@@ -72,29 +72,30 @@ def check_mpi(path):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     runs = {}
-    for collective in ("allgather", "sharded"):
-        for sparsifier in ("topk", "gaussiank", "sbc"):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
-                                        torch.nn.Linear(512, 10)).cuda()
-            opt = hvd.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                named_parameters=model.named_parameters(), density=0.01, cost_model="off",
-                min_sparse_numel=0, collective=collective, sparsifier=sparsifier)
-            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-            gen = torch.Generator().manual_seed(100 + rank)
-            for _ in range(50):
-                x = torch.randn(32, 256, generator=gen).cuda()
-                y = torch.randint(0, 10, (32,), generator=gen).cuda()
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
-            digests = hvd.allgather_object(flat.numpy().tobytes())
-            runs[f"{collective}/{sparsifier}"] = {
-                "replicas_identical": all(d == digests[0] for d in digests),
-                "finite": bool(torch.isfinite(flat).all()),
-                "stats": opt.communication_stats()}
+    cases = [(c, s, 512) for c in ("allgather", "sharded") for s in ("topk", "gaussiank", "sbc")]
+    cases.append(("sharded", "topk", 8192))  # a 2M-entry layer: the global threshold rule
+    for collective, sparsifier, width in cases:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.ReLU(),
+                                    torch.nn.Linear(width, 10)).cuda()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=model.named_parameters(), density=0.01, cost_model="off",
+            min_sparse_numel=0, collective=collective, sparsifier=sparsifier)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(50):
+            x = torch.randn(32, 256, generator=gen).cuda()
+            y = torch.randint(0, 10, (32,), generator=gen).cuda()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+        digests = hvd.allgather_object(flat.numpy().tobytes())
+        runs[f"{collective}/{sparsifier}/width{width}"] = {
+            "replicas_identical": all(d == digests[0] for d in digests),
+            "finite": bool(torch.isfinite(flat).all()),
+            "stats": opt.communication_stats()}
     same = all(r["replicas_identical"] and r["finite"] for r in runs.values())
     if rank == 0:
         with open(path, "w") as f:

@@ -308,10 +308,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     rank count; :mod:`hvd_sparse.engine.sharded`); ``"auto"``: per bucket, the faster of the two
     by the time cost model once it is calibrated. ``sharded_selection``: how owners re-select
     a Top-K downlink: ``"global"`` (default; one threshold for the whole bucket, from every
-    owner's magnitude histogram summed by one small allreduce per step, count within one
-    1/8-wide magnitude bin of k; for buckets whose downlink k is at least 16,384, below which
-    the histogram would cost more than a quarter of the selection) or ``"region"`` (each owner
-    the top of its own region; no extra collective). Other methods select per region.
+    owner's magnitude histograms summed by two small allreduces per step, a coarse one and a
+    finer one inside the bin of the k-th magnitude: the count is within one 2**-14-wide bin of
+    k; for buckets whose downlink k is at least 16,384, below which the histograms would cost
+    more than half of the selection) or ``"region"`` (each owner the top of its own region; no
+    extra collective). Other methods select per region.
 
     Safety: ``nonfinite`` says what a NaN/Inf gradient on any rank does; it never enters a
     residual, and every rank does the same. ``"propagate"`` (default, as dense Horovod and

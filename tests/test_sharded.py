@@ -88,8 +88,8 @@ def test_global_rule_follows_the_whole_bucket(sharded):
     p = sharded[0]["size"]
     for r in sharded:
         assert r["rule_global_equal"] and r["rule_region_equal"]
-        assert 17_000 <= r["rule_global_selected"] <= 23_000
-        assert r["rule_global_in_first_region"] and r["rule_global_overlap"] >= 0.85
+        assert 19_500 <= r["rule_global_selected"] <= 20_500
+        assert r["rule_global_in_first_region"] and r["rule_global_overlap"] >= 0.97
         assert r["rule_region_overlap"] <= 1.0 / p + 0.05
 
 

@@ -212,21 +212,34 @@ def test_sharded_cost_model_and_option():
 
 
 def test_global_threshold_counts_close_to_k():
-    """The summed magnitude histogram gives a threshold whose count is within one bin of k,
-    the same from the numba and the torch histogram; no entries gives no selection."""
+    """Two rounds of summed magnitude histograms (the coarse one names the bin of the k-th
+    magnitude, the fine one splits it) give a threshold whose count is within one fine bin of
+    k, from the numba and the torch histograms alike; k past the non-zeros selects them all."""
     from hvd_sparse.engine import sharded
     from hvd_sparse.kernels import cpu, reference
 
     x = torch.randn(200_000, generator=torch.Generator().manual_seed(0))
+    x[::3] = 0.5  # a third of the entries share one magnitude: one coarse bin holds them
     halves = [x[:100_000], x[100_000:]]  # two owners' regions
-    hist = sum(reference.magnitude_histogram(h, sharded.HIST_SHIFT) for h in halves)
-    if cpu.available():
-        assert torch.equal(hist, sum(cpu.magnitude_histogram(h, sharded.HIST_SHIFT)
-                                     for h in halves))
-    for k in (10, 2_000, 50_000):
-        t = sharded.global_threshold(hist, k)
-        count = int((x.abs() >= t).sum())
-        edges = x.abs()[(x.abs() >= t / 1.125) & (x.abs() < t * 1.125)].numel()
-        assert abs(count - k) <= edges
-    assert sharded.global_threshold(torch.zeros(sharded.BINS, dtype=torch.float64), 5) == \
-        float("inf")
+    backends = [reference] + ([cpu] if cpu.available() else [])
+
+    def threshold(ops, k):
+        coarse = sum(ops.magnitude_histogram(h, sharded.HIST_SHIFT, sharded.BINS)
+                     for h in halves)
+        found = sharded.coarse_bin(coarse, k)
+        if found is None:
+            return sharded.TINY
+        b, above = found
+        fine = sum(ops.magnitude_histogram(h, sharded.FINE_SHIFT, sharded.FINE_BINS,
+                                           sharded.HIST_SHIFT, b) for h in halves)
+        return sharded.fine_threshold(b, above, fine, k)
+
+    mags = x.abs()
+    for k in (10, 2_000, 50_000, 120_000):
+        ts = [threshold(ops, k) for ops in backends]
+        assert len(set(ts)) == 1
+        count = int((mags >= ts[0]).sum())
+        step = ts[0] * 2.0 ** -13  # one fine bin around the threshold
+        near = int(((mags >= ts[0] - step) & (mags < ts[0] + step)).sum())
+        assert abs(count - k) <= max(near, 1), (k, count, near)
+    assert threshold(reference, 10**6) == sharded.TINY

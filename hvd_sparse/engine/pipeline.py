@@ -689,28 +689,45 @@ class Engine:
                 and int(down_density * b.numel) >= sharded.GLOBAL_RULE_MIN_K)
 
     def _global_thresholds(self, served) -> dict:
-        """One allreduce for every bucket under the global rule: each owner's magnitude
-        histogram of its region, summed; from it, the threshold whose count is closest to the
-        bucket's k (within one bin, 1/8 of the magnitude)."""
+        """Two small allreduces for every bucket under the global rule at once: each owner's
+        coarse magnitude histogram of its region, summed, names the bin that holds the
+        bucket's k-th magnitude; a finer histogram inside that bin, summed, gives the threshold
+        whose count is closest to k (within one fine bin, 2**-14 of the magnitude)."""
         chosen = [b for b in served if self._global_rule(b)]
         if not chosen:
             return {}
-        with self.clock.stage("downlink_select"):
-            hists = [kernels.ops_for(self._serving[b.index][0]).magnitude_histogram(
-                self._serving[b.index][0], sharded.HIST_SHIFT) for b in chosen]
-            summed = torch.cat(hists)
-        with self.clock.stage("collective_wait"):
-            handle = self.transport.allreduce_async(summed, "hvd_sparse.histograms",
-                                                    average=False)
-            summed = self.transport.wait(handle).double().cpu()
         _, down_density = self.densities()
-        out, bins = {}, hists[0].numel()
+        ks = {b.index: max(1, int(down_density * b.numel)) for b in chosen}
+        regions = {b.index: self._serving[b.index][0] for b in chosen}
+
+        def summed(parts, name):
+            with self.clock.stage("collective_wait"):
+                handle = self.transport.allreduce_async(torch.cat(parts), name, average=False)
+                return self.transport.wait(handle).double().cpu()
+
+        with self.clock.stage("downlink_select"):
+            coarse = [kernels.ops_for(regions[b.index]).magnitude_histogram(
+                regions[b.index], sharded.HIST_SHIFT, sharded.BINS) for b in chosen]
+        total = summed(coarse, "hvd_sparse.histograms")
+        bins = {b.index: sharded.coarse_bin(total[i * sharded.BINS:(i + 1) * sharded.BINS],
+                                            ks[b.index]) for i, b in enumerate(chosen)}
+        with self.clock.stage("downlink_select"):
+            fine = [kernels.ops_for(regions[b.index]).magnitude_histogram(
+                regions[b.index], sharded.FINE_SHIFT, sharded.FINE_BINS, sharded.HIST_SHIFT,
+                bins[b.index][0] if bins[b.index] else -1) for b in chosen]
+        total = summed(fine, "hvd_sparse.histograms.fine")
         size = self.transport.size()
-        for b in chosen:  # a ring allreduce moves 2 (P-1)/P of the tensor each way per rank
-            self._histogram_bytes[b.index] = int(2 * (size - 1) / size * bins * 8)
+        out = {}
         for i, b in enumerate(chosen):
-            k = max(1, int(down_density * b.numel))
-            out[b.index] = sharded.global_threshold(summed[i * bins:(i + 1) * bins], k)
+            # a ring allreduce moves 2 (P-1)/P of the tensor each way per rank, twice here
+            self._histogram_bytes[b.index] = int(
+                2 * (size - 1) / size * (sharded.BINS + sharded.FINE_BINS) * 8)
+            if bins[b.index] is None:
+                out[b.index] = sharded.TINY  # k reaches into the zeros: every non-zero entry
+                continue
+            cb, above = bins[b.index]
+            part = total[i * sharded.FINE_BINS:(i + 1) * sharded.FINE_BINS]
+            out[b.index] = sharded.fine_threshold(cb, above, part, ks[b.index])
         return out
 
     def _select_region(self, b, threshold=None):

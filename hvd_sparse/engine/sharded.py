@@ -75,28 +75,45 @@ def check_region(payloads, lo: int, hi: int, bucket: str) -> None:
             f"{lo}..{hi - 1}: the ranks disagree on the world size or the collective")
 
 
-HIST_SHIFT = 20  # 2048 bins of |x|: the exponent and 3 mantissa bits (1/8 relative width)
+HIST_SHIFT = 20  # first round: 2048 bins of |x|, the exponent and 3 mantissa bits
 BINS = 1 << (31 - HIST_SHIFT)
-# the histogram's allreduce (about 2 x 8 bytes per bin per rank) must cost at most a quarter of
-# the downlink selection it steers (8 bytes per pair): buckets with k below this keep the
+FINE_SHIFT = 9  # second round, inside the bin that holds the k-th: the next 11 bits
+FINE_BINS = 1 << (HIST_SHIFT - FINE_SHIFT)
+# the histograms' allreduces (about 2 x 2 x 8 bytes per bin per rank) must cost at most half
+# of the downlink selection they steer (8 bytes per pair): buckets with k below this keep the
 # per-region rule
 GLOBAL_RULE_MIN_K = 8 * BINS
+TINY = float(np.nextafter(np.float32(0), np.float32(1)))
 
 
-def global_threshold(hist, k: int) -> float:
-    """From the magnitude histogram of the whole bucket (every owner's, summed): the bin edge
-    whose count of entries at or above it is closest to ``k`` (ties: the lower edge, more
-    entries). Zeros are never selected; non-finite bins are left out."""
+def _bits_to_float(bits: int) -> float:
+    return float(np.array([bits], dtype=np.uint32).view(np.float32)[0])
+
+
+def coarse_bin(hist, k: int):
+    """First round, from the whole bucket's coarse histogram: the bin holding the k-th
+    largest magnitude and how many entries lie above that bin; ``None`` when k reaches into
+    the zeros (then every non-zero entry is selected)."""
     counts = hist.double().cpu().numpy().copy()
     counts[0xFF << (23 - HIST_SHIFT):] = 0  # exponent 255: Inf/NaN (reported by flags)
     counts[0] = 0  # zeros and the smallest denormals
     at_or_above = np.cumsum(counts[::-1])[::-1]  # at_or_above[b]: entries in bins >= b
-    if k <= 0 or at_or_above[0] == 0:
-        return float("inf")
+    if k <= 0 or at_or_above[0] < k:
+        return None
     b = int(np.searchsorted(-at_or_above, -k, side="right")) - 1  # last bin with >= k above
-    b = max(b, 0)
-    if b + 1 < counts.size and at_or_above[b] - k > k - at_or_above[b + 1] \
-            and at_or_above[b + 1] > 0:
-        b += 1  # the upper edge is closer to k
-    edge = np.array([max(b, 1) << HIST_SHIFT], dtype=np.uint32).view(np.float32)[0]
-    return float(edge)
+    above = int(at_or_above[b + 1]) if b + 1 < counts.size else 0
+    return b, above
+
+
+def fine_threshold(b: int, above: int, fine, k: int) -> float:
+    """Second round: inside coarse bin ``b`` (``above`` entries lie higher), the finer edge
+    whose count of entries at or above it is closest to ``k`` (ties: the lower, more)."""
+    counts = fine.double().cpu().numpy()
+    at_or_above = above + np.cumsum(counts[::-1])[::-1]
+    j = int(np.searchsorted(-at_or_above, -k, side="right")) - 1
+    j = max(j, 0)
+    if j + 1 < counts.size and at_or_above[j] - k > k - at_or_above[j + 1]:
+        j += 1
+    if b == 0 and j == 0:
+        return TINY
+    return _bits_to_float((b << HIST_SHIFT) | (j << FINE_SHIFT))

@@ -221,6 +221,14 @@ if HAVE_NUMBA:
         for i in range(bits.size):
             h[(bits[i] & 0x7FFFFFFF) >> shift] += 1
 
+    @njit(cache=True)
+    def _histogram_within(bits, h, shift, within_shift, within):
+        mask = h.size - 1
+        for i in range(bits.size):
+            a = bits[i] & 0x7FFFFFFF
+            if (a >> within_shift) == within:
+                h[(a >> shift) & mask] += 1
+
     @njit(parallel=True, cache=True)
     def _histogram_par(bits, hist, chunk, shift):
         for c in prange(hist.shape[0]):
@@ -402,15 +410,16 @@ def set_at(target, idx, vals) -> None:
     _set_at(_np(target), idx.numpy(), vals.contiguous().numpy())
 
 
-def magnitude_histogram(r, shift: int) -> torch.Tensor:
-    """Counts of ``|r|`` per bin of its float32 bits shifted right by ``shift`` (bins order
-    like magnitudes), as float64 (exact to 2**53, and summable by any transport)."""
+def magnitude_histogram(r, shift: int, bins: int, within_shift: int = 31,
+                        within: int = 0) -> torch.Tensor:
+    """Counts of ``|r|`` per bin of its float32 bits: bin ``(bits >> shift) % bins`` of the
+    entries whose ``bits >> within_shift`` equals ``within`` (all of them by default; bins
+    order like magnitudes), as float64 (exact to 2**53, summable by any transport)."""
     if r.dtype != torch.float32:
-        return reference.magnitude_histogram(r, shift)
-    bits = _np(r).view(np.uint32)
-    hist = np.empty((1, 1 << (31 - shift)), dtype=np.int64)
-    _histogram_chunk(bits, hist[0], shift)
-    return torch.from_numpy(hist[0].astype(np.float64))
+        return reference.magnitude_histogram(r, shift, bins, within_shift, within)
+    hist = np.zeros(bins, dtype=np.int64)
+    _histogram_within(_np(r).view(np.uint32), hist, shift, within_shift, within)
+    return torch.from_numpy(hist.astype(np.float64))
 
 
 def warm_up() -> None:

@@ -142,9 +142,12 @@ def support_sum(scratch, payloads, scale: float):
     return out
 
 
-def magnitude_histogram(r, shift: int) -> torch.Tensor:
-    """Counts of ``|r|`` per bin of its float32 bits shifted right by ``shift`` (bins order
-    like magnitudes), as float64 on the host."""
-    bits = r.detach().float().contiguous().view(torch.int32) & 0x7FFFFFFF
-    return torch.bincount((bits >> shift).reshape(-1).long(),
-                          minlength=1 << (31 - shift)).double().cpu()
+def magnitude_histogram(r, shift: int, bins: int, within_shift: int = 31,
+                        within: int = 0) -> torch.Tensor:
+    """Counts of ``|r|`` per bin of its float32 bits: bin ``(bits >> shift) % bins`` of the
+    entries whose ``bits >> within_shift`` equals ``within``, as float64 on the host."""
+    bits = (r.detach().float().contiguous().view(torch.int32) & 0x7FFFFFFF).reshape(-1)
+    if within_shift < 31:
+        bits = bits[(bits >> within_shift) == within]
+    return torch.bincount(((bits >> shift) & (bins - 1)).long(),
+                          minlength=bins).double().cpu()
