@@ -666,12 +666,16 @@ class Engine:
             for p in payloads:
                 p.values = c.compression.decompress(p.values, job.ctx)
             sharded.check_region(payloads, lo, hi, b.name)
+            st = self.state[b.index]
             if c.bidirectional:
                 region = self._shard(b, lo, hi, device)
-            else:
-                region = self.state[b.index].flat_buffer(hi - lo, self.state[b.index]
-                                                         .downlink.dtype, device)
-                region.zero_()
+            else:  # a scratch of its own (the flat-gradient buffer may still be in use)
+                region = st.region_scratch
+                if region is None or region.numel() != hi - lo or region.device != device:
+                    st.region_scratch = region = torch.zeros(hi - lo, dtype=st.downlink.dtype,
+                                                             device=device)
+                else:
+                    region.zero_()
             ops = kernels.ops_for(region)
             for p in payloads:  # rank order; indices unique within a payload
                 if p.indices.numel():

@@ -29,6 +29,7 @@ class BucketState:
     shard: Optional[Residual] = None
     shard_layout: Optional[tuple] = None
     collective: str = "allgather"
+    region_scratch: Optional[torch.Tensor] = None  # sharded, unidirectional: the region's sum
 
     @classmethod
     def for_bucket(cls, b, momentum_correction: float) -> "BucketState":
