@@ -130,47 +130,45 @@ if HAVE_NUMBA:
             counts[c] = t
             energies[c] = e
 
-    @njit(fastmath=FASTMATH, cache=True)
-    def _pick(cidx, cval, k, sign):
-        """The k best candidates by ``|v|`` (sign 0) or ``sign * v`` (scores must not be
-        negative), ties by lowest index (candidates come in index order).
+    @njit(cache=True)
+    def _pick(cidx, cval, k):
+        """The k candidates of largest ``|v|``, ties by lowest index (candidates come in index
+        order, and so do the results).
 
-        Radix select: the non-negative float scores order like their bit patterns, so a
-        4096-bin histogram of the top bits finds the bin of the k-th score; an exact partition
-        of that one bin gives the k-th score; one pass in index order takes everything above
-        it and the lowest-index ties."""
+        Radix select on the bits of ``|v|`` (for non-negative floats the bit pattern orders
+        like the value): a histogram of the top 16 bits names the bin of the k-th magnitude,
+        a second one of the low 16 bits inside that bin names the k-th magnitude itself, and
+        one pass in index order takes everything above it plus the lowest-index ties. Two
+        counting passes and no partition (an exact partition of the k-th bin cost more than
+        the rest together)."""
         m = cval.size
-        score = np.empty(m, dtype=np.float32)
+        bits = cval.view(np.uint32) & np.uint32(0x7FFFFFFF)
+        hist = np.zeros(65536, dtype=np.int64)
         for i in range(m):
-            v = cval[i]
-            score[i] = abs(v) if sign == 0 else (v if sign > 0 else -v)
-        bits = score.view(np.uint32)
-        hist = np.zeros(4096, dtype=np.int64)
-        for i in range(m):
-            hist[(bits[i] >> 19) & 4095] += 1
+            hist[bits[i] >> 16] += 1
         above = 0
-        top = 4095
+        top = 65535
         while above + hist[top] < k:
             above += hist[top]
             top -= 1
         need = k - above  # how many to take from bin ``top``
-        inbin = np.empty(hist[top], dtype=np.float32)
-        q = 0
+        hist[:] = 0
         for i in range(m):
-            if (bits[i] >> 19) & 4095 == top:
-                inbin[q] = score[i]
-                q += 1
-        kth = np.partition(inbin, q - need)[q - need]
-        ties = need
-        for j in range(q):
-            ties -= inbin[j] > kth
+            if (bits[i] >> 16) == top:
+                hist[bits[i] & 0xFFFF] += 1
+        low = 65535
+        while hist[low] < need:
+            need -= hist[low]
+            low -= 1
+        kth = (np.uint32(top) << np.uint32(16)) | np.uint32(low)
+        ties = need  # entries equal to the k-th magnitude that are taken, lowest index first
         out_idx = np.empty(k, dtype=np.int64)
         out_val = np.empty(k, dtype=np.float32)
         pos = 0
         for i in range(m):
-            sc = score[i]
-            take = sc > kth
-            if not take and sc == kth and ties > 0:
+            b = bits[i]
+            take = b > kth
+            if b == kth and ties > 0:
                 ties -= 1
                 take = True
             if take:
@@ -360,7 +358,8 @@ def pick_topk(cidx: torch.Tensor, cval: torch.Tensor, k: int, sign: int = 0):
         return cidx, cval
     if k <= 0:
         return cidx[:0], cval[:0]
-    idx, val = _pick(cidx.numpy(), cval.numpy(), k, sign)
+    # the scores of one side (``sign * v``) are never negative, so they are the magnitudes
+    idx, val = _pick(cidx.numpy(), cval.numpy(), k)
     return torch.from_numpy(idx), torch.from_numpy(val)
 
 
