@@ -310,9 +310,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     a Top-K downlink: ``"global"`` (default; one threshold for the whole bucket, from every
     owner's magnitude histograms summed by two small allreduces per step, a coarse one and a
     finer one inside the bin of the k-th magnitude: the count is within one 2**-14-wide bin of
-    k; for buckets whose downlink k is at least 16,384, below which the histograms would cost
-    more than half of the selection) or ``"region"`` (each owner the top of its own region; no
-    extra collective). Other methods select per region.
+    k; a bucket for which an allgather would receive no more bytes than the sharded exchange
+    plus its histograms, as every bucket at two ranks and small ones at a few, goes by
+    allgather, where the exact global Top-K is picked) or ``"region"`` (each owner the top of
+    its own region; no extra collective; every bucket sharded). Other methods select per
+    region.
 
     Safety: ``nonfinite`` says what a NaN/Inf gradient on any rank does; it never enters a
     residual, and every rank does the same. ``"propagate"`` (default, as dense Horovod and

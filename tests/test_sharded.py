@@ -93,6 +93,12 @@ def test_global_rule_follows_the_whole_bucket(sharded):
         assert r["rule_region_overlap"] <= 1.0 / p + 0.05
 
 
+def test_small_topk_buckets_go_by_allgather_under_the_global_rule(sharded):
+    for r in sharded:
+        assert r["small_sharded_collectives"] == ["allgather"]
+        assert r["small_gathered_equal"]
+
+
 def test_rank0_checkpoint_loaded_everywhere(sharded):
     """Rank 0's state dict on every rank: rank 0 gets its region residuals back, the others
     are told theirs start from zero; training goes on with identical replicas."""

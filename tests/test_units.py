@@ -243,3 +243,27 @@ def test_global_threshold_counts_close_to_k():
         near = int(((mags >= ts[0] - step) & (mags < ts[0] + step)).sum())
         assert abs(count - k) <= max(near, 1), (k, count, near)
     assert threshold(reference, 10**6) == sharded.TINY
+
+
+def test_allgather_serves_small_topk_buckets_under_the_global_rule():
+    """At two ranks the allgather never receives more than the sharded exchange; from three
+    ranks on, large buckets shard (the histograms are cheap beside their pairs) and small ones
+    do not; the crossover moves down as the rank count grows."""
+    from hvd_sparse.engine import sharded
+
+    pair = 8
+    for k in (10, 1_000, 100_000, 10_000_000):
+        assert sharded.allgather_is_cheaper(k, k, 2, pair)
+    for p in (3, 4, 64, 1024):
+        assert sharded.allgather_is_cheaper(5, 5, p, pair)
+        assert not sharded.allgather_is_cheaper(100_000, 100_000, p, pair)
+
+    def crossover(p):
+        k = 1
+        while sharded.allgather_is_cheaper(k, k, p, pair):
+            k += 1
+        return k
+
+    assert crossover(4) > crossover(16) > crossover(1024) >= 1
+    # the histograms: two of 2048 float64 counts each, through a ring allreduce
+    assert sharded.histogram_bytes(2) == 2 * (1 / 2) * 4096 * 8

@@ -76,8 +76,9 @@ class Engine:
         if config.collective == "auto" and transport.size() >= 4:
             # before the time model is calibrated: bytes alone (received per rank, P payloads
             # against about two) favour the sharded exchange from 4 ranks on
-            for st in self.state.values():
-                st.collective = "sharded"
+            for b in self.buckets:
+                self.state[b.index].collective = \
+                    "allgather" if self._exact_by_allgather(b) else "sharded"
         self.inflight: Dict[int, InFlight] = {}
         self.steps = 0
         self.local_count = 0
@@ -243,8 +244,22 @@ class Engine:
         if c.collective == "allgather" or self.transport.size() == 1:
             return "allgather"
         if c.collective == "sharded":
-            return "sharded"
+            return "allgather" if self._exact_by_allgather(b) else "sharded"
         return self.state[b.index].collective
+
+    def _exact_by_allgather(self, b) -> bool:
+        """A Top-K downlink under the global rule whose histograms would cost more than
+        sharding saves (small buckets at a few ranks, every bucket at two) goes by allgather,
+        where every rank picks the exact global Top-K itself; from the configured densities,
+        so the choice stays the same through a density warm-up."""
+        c = self.config
+        if not (c.bidirectional and c.sharded_selection == "global"
+                and c.downlink_sparsifier.name == "topk"):
+            return False
+        pair = _itemsize(b.index_dtype) + _itemsize(c.value_dtype or b.dtype)
+        return sharded.allgather_is_cheaper(int(c.density * b.numel),
+                                            int(c.downlink_density * b.numel),
+                                            self.transport.size(), pair)
 
     def mode(self, b) -> Optional[str]:
         """How a bucket goes dense this step: ``None`` (it does not), ``"gather"`` or
@@ -684,13 +699,12 @@ class Engine:
 
     def _global_rule(self, b) -> bool:
         """The downlink of this sharded bucket keeps the bucket's top entries under one global
-        threshold (Top-K with ``sharded_selection="global"``, and a downlink k large enough
-        for the histogram to be cheap beside it), not each region's own top."""
+        threshold (Top-K with ``sharded_selection="global"``), not each region's own top.
+        Buckets too small for the histograms to pay are not sharded at all
+        (:meth:`_exact_by_allgather`)."""
         c = self.config
-        _, down_density = self.densities()
         return (c.bidirectional and c.sharded_selection == "global"
-                and c.downlink_sparsifier.name == "topk"
-                and int(down_density * b.numel) >= sharded.GLOBAL_RULE_MIN_K)
+                and c.downlink_sparsifier.name == "topk")
 
     def _global_thresholds(self, served) -> dict:
         """Two small allreduces for every bucket under the global rule at once: each owner's
@@ -724,8 +738,7 @@ class Engine:
         out = {}
         for i, b in enumerate(chosen):
             # a ring allreduce moves 2 (P-1)/P of the tensor each way per rank, twice here
-            self._histogram_bytes[b.index] = int(
-                2 * (size - 1) / size * (sharded.BINS + sharded.FINE_BINS) * 8)
+            self._histogram_bytes[b.index] = sharded.histogram_bytes(size)
             if bins[b.index] is None:
                 out[b.index] = sharded.TINY  # k reaches into the zeros: every non-zero entry
                 continue
@@ -1049,7 +1062,8 @@ class Engine:
             t_gather = costmodel.sparse_time(cs, nbytes, self.link)
             t_sharded = costmodel.sharded_time(cs, nbytes / size, size, self.link, ratio)
             if c.collective == "auto":
-                self._set_collective(b, "sharded" if t_sharded < t_gather else "allgather")
+                self._set_collective(b, "sharded" if t_sharded < t_gather
+                                     and not self._exact_by_allgather(b) else "allgather")
             t_sparse = t_sharded if self.collective(b) == "sharded" else t_gather
             t_dense = costmodel.dense_time(b.nbytes, size, self.link, by)
             st.mode = "dense" if t_dense < t_sparse else "sparse"

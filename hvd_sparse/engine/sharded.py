@@ -79,11 +79,24 @@ HIST_SHIFT = 20  # first round: 2048 bins of |x|, the exponent and 3 mantissa bi
 BINS = 1 << (31 - HIST_SHIFT)
 FINE_SHIFT = 9  # second round, inside the bin that holds the k-th: the next 11 bits
 FINE_BINS = 1 << (HIST_SHIFT - FINE_SHIFT)
-# the histograms' allreduces (about 2 x 2 x 8 bytes per bin per rank) must cost at most half
-# of the downlink selection they steer (8 bytes per pair): buckets with k below this keep the
-# per-region rule
-GLOBAL_RULE_MIN_K = 8 * BINS
 TINY = float(np.nextafter(np.float32(0), np.float32(1)))
+
+
+def histogram_bytes(size: int) -> int:
+    """Bytes one rank receives for one bucket's two histograms (float64 counts, a ring
+    allreduce moves 2 (P-1)/P of the tensor to each rank)."""
+    return int(2 * (size - 1) / size * (BINS + FINE_BINS) * 8)
+
+
+def allgather_is_cheaper(k_up: int, k_down: int, size: int, pair_bytes: int) -> bool:
+    """Whether an allgather of the uplink selections receives no more bytes per rank than the
+    sharded exchange with the global rule's histograms: P - 1 selections against an
+    all-to-all and an allgather of about (P-1)/P of one selection each, plus the histograms.
+    Small buckets at a few ranks (every bucket at two): their exact global Top-K is cheapest
+    when every rank picks it from all the selections itself."""
+    gathered = (size - 1) * k_up * pair_bytes
+    sharded = (size - 1) / size * (k_up + k_down) * pair_bytes + histogram_bytes(size)
+    return gathered <= sharded
 
 
 def _bits_to_float(bits: int) -> float:

@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--transport", default=None, choices=["horovod", "mpi"])
     p.add_argument("--collective", default="allgather", choices=["allgather", "sharded", "auto"],
                    help="how sparse buckets are exchanged (see DistributedOptimizer)")
+    p.add_argument("--sharded-selection", default="global", choices=["global", "region"],
+                   help="how a sharded Top-K downlink is selected (see DistributedOptimizer)")
     p.add_argument("--cycle-time-ms", type=float, default=5.0,
                    help="Horovod's background cycle (HOROVOD_CYCLE_TIME, unless already set): "
                         "Horovod's 1 ms default spins a core that ranks sharing a host need; "
@@ -138,6 +140,7 @@ def build_optimizer(args, model, base, hvd):
         extra["total_steps"] = max(1, args.total_steps)
     extra["exchange"] = args.exchange
     extra["collective"] = args.collective
+    extra["sharded_selection"] = args.sharded_selection
     extra["density_warmup_steps"] = args.density_warmup_steps
     extra["dense_warmup_steps"] = args.dense_warmup_steps
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),

@@ -42,6 +42,9 @@ def make(m, **kw):
     kw.setdefault("min_sparse_numel", 0)
     kw.setdefault("cost_model", "off")
     kw.setdefault("collective", "sharded")
+    # the per-region rule, so that Top-K on this small model is sharded too (the default
+    # global rule sends buckets this small by allgather: small_topk_gathered)
+    kw.setdefault("sharded_selection", "region")
     base = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     return hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(), **kw)
 
@@ -147,7 +150,7 @@ def uneven(res):
     base = torch.optim.SGD([tiny, skew], lr=0.1)
     opt = hvd.DistributedOptimizer(base, named_parameters=[("tiny", tiny), ("skew", skew)],
                                    density=0.5, min_sparse_numel=0, cost_model="off",
-                                   collective="sharded")
+                                   collective="sharded", sharded_selection="region")
     for i in range(6):
         opt.zero_grad()
         g = torch.Generator().manual_seed(i + 10 * hvd.rank())
@@ -249,6 +252,20 @@ def selection_rules(res):
         res[f"rule_{rule}_equal"] = same(skew.detach())
 
 
+def small_topk_gathered(res):
+    """Under the default global rule, Top-K buckets too small for the histograms to pay go by
+    allgather (exact global Top-K): the run equals collective="allgather" bit for bit."""
+    out = {}
+    for collective in ("allgather", "sharded"):
+        m = model()
+        opt = make(m, collective=collective, sharded_selection="global")
+        train(m, opt, 15)
+        out[collective] = params(m)
+        res[f"small_{collective}_collectives"] = sorted(
+            {v.collective for v in opt.engine_state().values() if v.sparse})
+    res["small_gathered_equal"] = bool(torch.equal(out["allgather"], out["sharded"]))
+
+
 def rank0_checkpoint(res):
     """The usual Horovod resume, rank 0's file loaded everywhere: rank 0 restores its region
     residuals, the others start theirs from zero with a warning; replicas stay identical."""
@@ -274,7 +291,7 @@ def rank0_checkpoint(res):
 
 
 SCENARIOS = [replicas, dense_average, unidirectional_equals_allgather, resume, uneven, nonfinite,
-             traffic, auto, selection_rules, rank0_checkpoint]
+             traffic, auto, selection_rules, small_topk_gathered, rank0_checkpoint]
 
 if __name__ == "__main__":
     runner.run_scenarios(hvd, SCENARIOS)
