@@ -252,7 +252,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          calibration_steps=3, recalibrate_every=0, value_dtype=None,
                          nonfinite="propagate", verify_every=0, check_config=True,
                          collective="allgather", sharded_selection="global",
-                         scope="tensor", bucket_cap_mb=25.0,
+                         rebalance_every=100, scope="tensor", bucket_cap_mb=25.0,
                          min_sparse_numel=1024,
                          max_bucket_numel=None,
                          transport=None, **unknown):
@@ -314,7 +314,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     plus its histograms, as every bucket at two ranks and small ones at a few, goes by
     allgather, where the exact global Top-K is picked) or ``"region"`` (each owner the top of
     its own region; no extra collective; every bucket sharded). Other methods select per
-    region.
+    region. ``rebalance_every``: every so many steps (0: never) the owners' load, counted from
+    the gathered downlink positions that every rank holds, is checked; when the busiest
+    region carries more than 1.5 times the mean, the bounds move to balance it, the same on
+    every rank, and the region residuals move with them (where the selection does not depend
+    on a region's length: Top-K under the global rule, the hard threshold, and
+    ``bidirectional=False``).
 
     Safety: ``nonfinite`` says what a NaN/Inf gradient on any rank does; it never enters a
     residual, and every rank does the same. ``"propagate"`` (default, as dense Horovod and
@@ -352,7 +357,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         calibration_steps=calibration_steps, recalibrate_every=recalibrate_every,
         value_dtype=value_dtype, nonfinite=nonfinite, verify_every=verify_every,
         check_config=check_config, collective=collective,
-        sharded_selection=sharded_selection)
+        sharded_selection=sharded_selection, rebalance_every=rebalance_every)
     if num_groups:
         warnings.warn("Parameter `num_groups` has been replaced by `groups`.", DeprecationWarning)
         groups = num_groups if groups is None else groups

@@ -99,6 +99,27 @@ def test_small_topk_buckets_go_by_allgather_under_the_global_rule(sharded):
         assert r["small_gathered_equal"]
 
 
+@pytest.mark.parametrize("method", ["threshold", "topk"])
+def test_regions_rebalance_to_the_load(sharded, method):
+    """The load sits in the first tenth: the bounds move into it (the first region ends
+    inside it), identically on every rank, and the result is that of fixed regions, bit for
+    bit, also after a resume. Top-K under the global rule shards this bucket from 3 ranks."""
+    p = sharded[0]["size"]
+    n = 200_000
+    for r in sharded:
+        assert r[f"rebalance_{method}_replicas"] and r[f"rebalance_{method}_same_bounds"]
+        assert r[f"rebalance_{method}_equals_fixed"] and r[f"rebalance_{method}_resume_exact"]
+        if method == "topk" and p == 2:
+            assert r[f"rebalance_{method}_collective"] == "allgather"
+            continue
+        assert r[f"rebalance_{method}_collective"] == "sharded"
+        bounds, equal = r[f"rebalance_{method}_bounds"], r[f"rebalance_{method}_equal_bounds"]
+        assert r[f"rebalance_{method}_fixed_bounds"] == equal
+        assert bounds != equal and bounds[0] == 0 and bounds[-1] == n
+        assert 0 < bounds[1] < n // 10
+        assert all(a <= b for a, b in zip(bounds, bounds[1:]))
+
+
 def test_rank0_checkpoint_loaded_everywhere(sharded):
     """Rank 0's state dict on every rank: rank 0 gets its region residuals back, the others
     are told theirs start from zero; training goes on with identical replicas."""

@@ -267,3 +267,33 @@ def test_allgather_serves_small_topk_buckets_under_the_global_rule():
     assert crossover(4) > crossover(16) > crossover(1024) >= 1
     # the histograms: two of 2048 float64 counts each, through a ring allreduce
     assert sharded.histogram_bytes(2) == 2 * (1 / 2) * 4096 * 8
+
+
+def test_balanced_bounds_follow_the_load_and_bound_the_length():
+    """Uniform load keeps equal regions; load in the first tenth moves the first bounds into
+    it, shares the load within a bin of equal, and no region passes 1 / COLD_SHARE times the
+    equal length; the loads per region are counted from the same bins."""
+    from hvd_sparse.engine import sharded
+
+    n = 1_000_000
+    flat = torch.ones(sharded.LOAD_BINS, dtype=torch.float64)
+    assert sharded.balanced_bounds(flat, n, 4) == sharded.region_bounds(n, 4)
+    idx = torch.randint(0, n // 10, (50_000,), generator=torch.Generator().manual_seed(0))
+    counts = sharded.load_counts(idx, n)
+    assert counts.sum() == 50_000 and counts[sharded.LOAD_BINS // 10 + 1:].sum() == 0
+    equal = sharded.region_bounds(n, 4)
+    before = sharded.region_loads(counts, equal, n)
+    assert before[0] == 50_000 and before[1:].sum() == 0
+    for p in (2, 4, 8):
+        bounds = sharded.balanced_bounds(counts, n, p)
+        assert bounds[0] == 0 and bounds[-1] == n and list(bounds) == sorted(bounds)
+        assert 0 < bounds[1] < n // 10
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        assert max(lengths) <= n / p / sharded.COLD_SHARE + n / sharded.LOAD_BINS
+        loads = sharded.region_loads(counts, bounds, n)
+        assert loads.sum() == 50_000
+        if p == 2:  # the hot tenth is split between the two owners
+            assert loads.min() > 0.25 * 50_000
+    # fewer entries than bins or ranks: bounds stay in range and ordered
+    tiny = sharded.balanced_bounds(sharded.load_counts(torch.tensor([0, 0, 1]), 3), 3, 4)
+    assert tiny[0] == 0 and tiny[-1] == 3 and list(tiny) == sorted(tiny)

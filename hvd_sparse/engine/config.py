@@ -74,6 +74,7 @@ class EngineConfig:
     collective: str = "allgather"  # or "sharded" (engine/sharded.py), or "auto" per bucket
     sharded_selection: str = "global"  # Top-K downlink of a sharded bucket: one threshold
     # for the whole bucket (a histogram allreduce), or "region": each owner its own top
+    rebalance_every: int = 100  # sharded: steps between checks of the regions' load (0: never)
 
     def describe(self) -> dict:
         """The options as plain values, for the cross-rank configuration digest."""
@@ -120,7 +121,7 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
                  dense_warmup_steps, local_steps, track_error, exchange, deterministic_dense,
                  dense_fallback, cost_model, calibration_steps, recalibrate_every, value_dtype,
                  nonfinite, verify_every, check_config, collective="allgather",
-                 sharded_selection="global") -> EngineConfig:
+                 sharded_selection="global", rebalance_every=100) -> EngineConfig:
     """Validate the keywords of :func:`hvd_sparse.DistributedOptimizer` (clear errors naming
     the keyword) and freeze them."""
     from .. import compat
@@ -193,6 +194,7 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
     if sharded_selection not in SHARDED_SELECTIONS:
         raise ValueError(f"sharded_selection must be one of {SHARDED_SELECTIONS}, "
                          f"got {sharded_selection!r}")
+    _nonneg_int("rebalance_every", rebalance_every)
     return EngineConfig(
         density=density, downlink_density=downlink_density, bidirectional=bidirectional,
         sparsifier=up, downlink_sparsifier=down, average=average,
@@ -205,4 +207,4 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         cost_model=cost_model, calibration_steps=calibration_steps,
         recalibrate_every=recalibrate_every, value_dtype=value_dtype, nonfinite=nonfinite,
         verify_every=verify_every, check_config=bool(check_config), collective=collective,
-        sharded_selection=sharded_selection)
+        sharded_selection=sharded_selection, rebalance_every=rebalance_every)

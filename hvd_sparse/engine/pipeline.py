@@ -59,6 +59,7 @@ class BucketView(NamedTuple):
     velocity: Optional[torch.Tensor]
     shard: Optional[torch.Tensor] = None  # sharded exchange: this rank's region residual
     collective: str = "allgather"
+    bounds: Optional[tuple] = None  # sharded exchange: the region bounds (P + 1 positions)
 
 
 class Engine:
@@ -137,7 +138,8 @@ class Engine:
                 b.name, b.numel, b.dtype, b.index_dtype, b.sparse,
                 st.mode if b.sparse else "dense", tuple(b.names), copy(st.uplink.buffer),
                 copy(st.downlink.buffer), copy(st.velocity.velocity if st.velocity else None),
-                copy(st.shard.buffer if st.shard else None), self.collective(b))
+                copy(st.shard.buffer if st.shard else None), self.collective(b),
+                tuple(self._bounds(b)) if self.collective(b) == "sharded" else None)
         return MappingProxyType(out)
 
     # ----------------------------------------------------------------- agreement
@@ -172,6 +174,8 @@ class Engine:
             "buckets": {b.name: {"downlink": self.state[b.index].downlink.buffer,
                                  "mode": self.state[b.index].mode,
                                  "collective": self.state[b.index].collective,
+                                 "bounds": self.state[b.index].bounds,
+                                 "load": self.state[b.index].load,
                                  "costs": dict(self.state[b.index].costs)}
                         for b in self.buckets if b.sparse},
             "anchors": {b.name: self.state[b.index].anchor for b in self.buckets
@@ -193,6 +197,10 @@ class Engine:
                 st.downlink.load(None if d is None else d.to(device))
                 st.mode = entry.get("mode", "sparse")
                 st.collective = entry.get("collective", st.collective)
+                bounds = entry.get("bounds")
+                st.bounds = None if bounds is None else tuple(int(x) for x in bounds)
+                load = entry.get("load")
+                st.load = None if load is None else load.double().to(device).clone()
                 st.costs = dict(entry.get("costs", {}))
             a = saved.get("anchors", {}).get(b.name)
             st.anchor = None if a is None else a.to(device).clone()
@@ -410,7 +418,7 @@ class Engine:
             size, rank = self.transport.size(), self.transport.rank()
             with self.clock.stage("encode", b.index):
                 payload, splits = sharded.encode_parts(
-                    idx, wire_values, sharded.region_bounds(b.numel, size),
+                    idx, wire_values, self._bounds(b),
                     constant=c.sparsifier.constant_value, index_dtype=b.index_dtype, tag=b.tag,
                     numel=b.numel, index_coding=c.index_coding, nonfinite=nonfinite)
             with self.clock.stage("collective_wait"):  # mpi4py exchanges the sizes first
@@ -615,9 +623,18 @@ class Engine:
         self._wire_bytes[b.index] = max(self._wire_bytes.get(b.index, 0), gathered_bytes)
 
     # ----------------------------------------------------------------- sharded exchange
+    def _bounds(self, b):
+        """The bucket's region bounds: re-balanced ones when made for this world size, else
+        equal regions."""
+        size = self.transport.size()
+        bounds = self.state[b.index].bounds
+        if bounds is None or len(bounds) != size + 1:
+            return sharded.region_bounds(b.numel, size)
+        return bounds
+
     def _region(self, b):
-        size, rank = self.transport.size(), self.transport.rank()
-        bounds = sharded.region_bounds(b.numel, size)
+        bounds = self._bounds(b)
+        rank = self.transport.rank()
         return bounds[rank], bounds[rank + 1]
 
     def _shard(self, b, lo, hi, device):
@@ -659,14 +676,57 @@ class Engine:
         """Every owner's region residual allgathered (regions in rank order) into the bucket's
         replicated downlink residual; called on every rank alike (at calibration)."""
         st = self.state[b.index]
-        device = b.params[0].device
+        st.downlink.load(self._gather_regions(b))
+        st.shard, st.shard_layout = None, None
+
+    def _gather_regions(self, b) -> torch.Tensor:
+        """The whole downlink residual from the owners' regions (an allgather; every rank)."""
+        st = self.state[b.index]
         lo, hi = self._region(b)
         mine = st.shard.buffer if st.shard is not None and st.shard.buffer is not None \
-            else torch.zeros(hi - lo, dtype=st.downlink.dtype, device=device)
+            else torch.zeros(hi - lo, dtype=st.downlink.dtype, device=b.params[0].device)
         handle = self.transport.allgather_async(
             mine.contiguous().view(torch.uint8), f"hvd_sparse.{b.index}.{b.name}.regions")
-        st.downlink.load(self.transport.wait(handle).view(st.downlink.dtype))
+        return self.transport.wait(handle).view(st.downlink.dtype)
+
+    def _rebalances(self, b) -> bool:
+        """Whether this sharded bucket's bounds may move: only where what is selected does not
+        depend on a region's length (Top-K under the global rule, the hard threshold, no
+        downlink selection at all)."""
+        c = self.config
+        return (c.rebalance_every > 0 and self.transport.size() > 1
+                and self.collective(b) == "sharded" and self.state[b.index].mode != "dense"
+                and (not c.bidirectional or self._global_rule(b)
+                     or c.downlink_sparsifier.name == "threshold"))
+
+    def _record_load(self, b, idx) -> None:
+        """Count the gathered downlink positions (the same on every rank) per position bin."""
+        st = self.state[b.index]
+        counts = sharded.load_counts(idx, b.numel)
+        st.load = counts if st.load is None or st.load.numel() != counts.numel() \
+            else st.load.add_(counts)
+
+    def _rebalance(self, b) -> None:
+        """Every rank at the same step: when the busiest region's load exceeds
+        ``REBALANCE_AT`` times the mean, move the bounds to balance it and the region
+        residuals with them (allgathered whole, then cut again: no mass moves or is lost)."""
+        st = self.state[b.index]
+        load, st.load = st.load, None
+        if load is None or float(load.sum()) <= 0:
+            return
+        size = self.transport.size()
+        loads = sharded.region_loads(load, self._bounds(b), b.numel)
+        if float(loads.max()) <= sharded.REBALANCE_AT * float(loads.mean()):
+            return
+        new = sharded.balanced_bounds(load, b.numel, size)
+        if new == tuple(self._bounds(b)):
+            return
+        full = self._gather_regions(b) if self.config.bidirectional else None
+        st.bounds = new
         st.shard, st.shard_layout = None, None
+        if full is not None:
+            lo, hi = self._region(b)
+            self._shard(b, lo, hi, full.device).copy_(full[lo:hi])
 
     def _serve_region(self, b, received):
         """Owner, first half: the entries every rank sent for this rank's region, summed in rank
@@ -801,6 +861,8 @@ class Engine:
         if c.sparsifier.observes or c.downlink_sparsifier.observes:
             c.sparsifier.observe(values, self._ctx(b, "up"))
             c.downlink_sparsifier.observe(values, self._ctx(b, "down"))
+        if self._rebalances(b):
+            self._record_load(b, idx)
         grad = b.params[0].grad
         ops = kernels.ops_for(grad if grad is not None and not grad.is_sparse else values)
         with self.clock.stage("write", b.index):
@@ -1031,6 +1093,10 @@ class Engine:
                 or (c.recalibrate_every and self.calibrated_at is not None
                     and self.steps - self.calibrated_at >= c.recalibrate_every)):
             self.calibrate()
+        if c.rebalance_every and self.steps % c.rebalance_every == 0:
+            for b in self.buckets:
+                if b.sparse and self._rebalances(b):
+                    self._rebalance(b)
         if c.verify_every and self.steps % c.verify_every == 0:
             named = list({n: p for b in self.buckets
                           for n, p in zip(b.names, b.params)}.items())

@@ -43,6 +43,50 @@ def region_bounds(numel: int, size: int) -> Tuple[int, ...]:
     return tuple(out)
 
 
+LOAD_BINS = 1024  # position bins of a bucket's load statistic
+REBALANCE_AT = 1.5  # busiest region's load over the mean that moves the bounds
+COLD_SHARE = 0.25  # share of the balancing weight given by length rather than load
+
+
+def load_counts(idx: torch.Tensor, numel: int) -> torch.Tensor:
+    """How many of the positions ``idx`` fall in each of ``min(LOAD_BINS, numel)`` equal
+    position bins (float64 on ``idx``'s device, exact: summed over steps as the load
+    statistic, and moved to the host only when the load is checked)."""
+    bins = max(1, min(LOAD_BINS, numel))
+    if idx.numel() == 0:
+        return torch.zeros(bins, dtype=torch.float64, device=idx.device)
+    return torch.bincount(idx * bins // numel, minlength=bins).double()
+
+
+def region_loads(counts: torch.Tensor, bounds, numel: int) -> torch.Tensor:
+    """The load of each region from the binned counts, a bin counted in the region that holds
+    its first position (exact once bounds lie on bin edges, as re-balanced ones do)."""
+    counts = counts.double().cpu()
+    bins = counts.numel()
+    starts = torch.arange(bins, dtype=torch.int64) * numel // bins
+    owner = torch.searchsorted(torch.tensor(bounds[1:-1], dtype=torch.int64), starts,
+                               right=True)
+    return torch.zeros(len(bounds) - 1, dtype=torch.float64).index_add_(0, owner, counts)
+
+
+def balanced_bounds(counts: torch.Tensor, numel: int, size: int) -> Tuple[int, ...]:
+    """Region bounds on bin edges that share the expected load equally. The weight of a bin
+    is its share of the load counts, mixed with its share of the length (``COLD_SHARE`` of
+    the weight), so no region grows past 1 / COLD_SHARE times the equal length (its owner
+    also scans it). Pure arithmetic on replicated counts: every rank gets the same bounds."""
+    counts = counts.double().cpu()
+    bins = counts.numel()
+    total = float(counts.sum())
+    load = counts.double() / total if total > 0 else torch.full((bins,), 1.0 / bins,
+                                                                dtype=torch.float64)
+    w = (1.0 - COLD_SHARE) * load + COLD_SHARE / bins
+    cum = torch.cumsum(w, 0)
+    targets = cum[-1] * torch.arange(1, size, dtype=torch.float64) / size
+    edges = torch.searchsorted(cum, targets).clamp(max=bins - 1) + 1  # bins before the cut
+    inner = (edges * numel // bins).tolist()
+    return tuple([0] + [int(x) for x in inner] + [numel])
+
+
 def cut_points(idx: torch.Tensor, bounds) -> List[int]:
     """Where each region's entries start and end in the ascending positions ``idx`` (one host
     read for all regions)."""

@@ -30,6 +30,10 @@ class BucketState:
     shard_layout: Optional[tuple] = None
     collective: str = "allgather"
     region_scratch: Optional[torch.Tensor] = None  # sharded, unidirectional: the region's sum
+    # replicated: the region bounds (None: equal regions) and the load counted since the last
+    # check, per position bin (sharded.load_counts of the gathered downlink positions)
+    bounds: Optional[tuple] = None
+    load: Optional[torch.Tensor] = None
 
     @classmethod
     def for_bucket(cls, b, momentum_correction: float) -> "BucketState":

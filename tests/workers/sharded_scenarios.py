@@ -266,6 +266,59 @@ def small_topk_gathered(res):
     res["small_gathered_equal"] = bool(torch.equal(out["allgather"], out["sharded"]))
 
 
+def rebalance(res):
+    """All the load in the first tenth of a bucket: after ``rebalance_every`` steps the bounds
+    move there, the same on every rank; the parameters equal those of a run with fixed
+    regions bit for bit (the residuals move with the bounds, nothing is lost); a resume from
+    per-rank state dicts after the move is exact. Top-K under the global rule (sharded from
+    3 ranks on, at this size) and the hard threshold (sharded at any rank count)."""
+    n = 200_000
+
+    def run(method, every, steps, state=None, save_at=None):
+        w = torch.nn.Parameter(torch.zeros(n))
+        extra = {"threshold": 1.5} if method == "threshold" else {}
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), named_parameters=[("w", w)],
+                                       density=0.05, sparsifier=method, min_sparse_numel=0,
+                                       cost_model="off", collective="sharded",
+                                       rebalance_every=every, **extra)
+        start, saved = 0, None
+        if state is not None:
+            start = state[0]
+            with torch.no_grad():
+                w.copy_(state[1])
+            opt.load_state_dict(state[2])
+        for i in range(start, steps):
+            if i == save_at:
+                saved = (i, w.detach().clone(), copy.deepcopy(opt.state_dict()))
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(100 * i + hvd.rank())
+            grad = torch.randn(n, generator=g) * 0.01
+            grad[:n // 10] += torch.randn(n // 10, generator=g)
+            w.grad = grad
+            opt.step()
+        view = next(iter(opt.engine_state().values()))
+        return w.detach().clone(), view, saved
+
+    for method in ("threshold", "topk"):
+        moved, view, saved = run(method, 5, 12, save_at=8)
+        fixed, fixed_view, _ = run(method, 0, 12)
+        resumed, _, _ = run(method, 5, 12, state=saved)
+        equal = sharded_bounds = None
+        if view.collective == "sharded":
+            from hvd_sparse.engine import sharded as shard_mod
+            sharded_bounds = list(view.bounds)
+            equal = list(shard_mod.region_bounds(n, hvd.size()))
+        res[f"rebalance_{method}_collective"] = view.collective
+        res[f"rebalance_{method}_bounds"] = sharded_bounds
+        res[f"rebalance_{method}_equal_bounds"] = equal
+        res[f"rebalance_{method}_fixed_bounds"] = None if fixed_view.bounds is None \
+            else list(fixed_view.bounds)
+        res[f"rebalance_{method}_same_bounds"] = same(sharded_bounds)
+        res[f"rebalance_{method}_replicas"] = same(moved)
+        res[f"rebalance_{method}_equals_fixed"] = bool(torch.equal(moved, fixed))
+        res[f"rebalance_{method}_resume_exact"] = bool(torch.equal(moved, resumed))
+
+
 def rank0_checkpoint(res):
     """The usual Horovod resume, rank 0's file loaded everywhere: rank 0 restores its region
     residuals, the others start theirs from zero with a warning; replicas stay identical."""
@@ -291,7 +344,7 @@ def rank0_checkpoint(res):
 
 
 SCENARIOS = [replicas, dense_average, unidirectional_equals_allgather, resume, uneven, nonfinite,
-             traffic, auto, selection_rules, small_topk_gathered, rank0_checkpoint]
+             traffic, auto, selection_rules, small_topk_gathered, rebalance, rank0_checkpoint]
 
 if __name__ == "__main__":
     runner.run_scenarios(hvd, SCENARIOS)
