@@ -25,6 +25,9 @@ Levers, each with its reason:
   layer-wise selection);
 * ``warmup`` (``density_warmup_steps`` = 10% of the run): DGC's exponentially decaying density
   (Lin et al., ICLR 2018), so the first steps, when gradients change fastest, are nearly dense;
+* ``momcorr`` (SGD only): DGC's momentum correction (Lin et al., 2018): each rank keeps the
+  velocity and error feedback acts on it, so a coordinate released after many steps arrives
+  with the momentum it would have had; the wrapped SGD runs without momentum;
 * density 1% and 0.1%.
 
 Writes ``benchmarks/results/convergence.json`` (every evaluation of every run, bytes, wall time,
@@ -58,6 +61,10 @@ def levers(steps):
         "topk1%-grad-warmup": ["--density", "0.01", *grad, *warm],
         "topk1%-update-warmup": ["--density", "0.01", *update, *warm],
         "topk1%-update-global": ["--density", "0.01", *update, "--scope", "model"],
+        # SGD only (run with --only lstm/...): DGC's momentum correction
+        "topk1%-grad-momcorr": ["--density", "0.01", *grad, "--momentum-correction"],
+        "topk1%-grad-momcorr-global": ["--density", "0.01", *grad, "--momentum-correction",
+                                       "--scope", "model"],
         "topk0.1%-grad": ["--density", "0.001", *grad],
         "topk0.1%-update": ["--density", "0.001", *update],
     }

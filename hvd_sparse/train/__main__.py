@@ -63,6 +63,11 @@ def parse_args(argv=None):
     p.add_argument("--density-warmup-steps", type=int, default=0,
                    help="DGC's warm-up: density decays geometrically from dense to --density")
     p.add_argument("--dense-warmup-steps", type=int, default=0)
+    p.add_argument("--momentum-correction", action="store_true",
+                   help="SGD: DGC's momentum correction (the engine keeps the velocity, with "
+                        "--momentum as its factor; the wrapped SGD runs without momentum)")
+    p.add_argument("--min-sparse-numel", type=int, default=1024,
+                   help="tensors with fewer entries are exchanged dense")
     p.add_argument("--exchange", default="auto", choices=["auto", "gradient", "update"],
                    help="what hvd_sparse sparsifies: gradients (Horovod's contract) or each "
                         "rank's optimizer update (auto: updates for adaptive optimizers)")
@@ -143,6 +148,9 @@ def build_optimizer(args, model, base, hvd):
     extra["sharded_selection"] = args.sharded_selection
     extra["density_warmup_steps"] = args.density_warmup_steps
     extra["dense_warmup_steps"] = args.dense_warmup_steps
+    extra["min_sparse_numel"] = args.min_sparse_numel
+    if args.momentum_correction:
+        extra["momentum_correction"] = args.momentum
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                     sparsifier=args.sparsifier, density=args.density,
                                     bidirectional=args.bidirectional,
@@ -184,7 +192,9 @@ def main(argv=None):
     if args.base_optimizer == "adamw":
         base = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     else:
-        base = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=args.momentum)
+        momentum = 0.0 if args.momentum_correction and args.optimizer == "sparse" \
+            else args.momentum
+        base = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=momentum)
     schedule = _schedule(base, args.warmup_steps, args.total_steps) \
         if args.base_optimizer == "adamw" else None
     opt = build_optimizer(args, model, base, hvd)
