@@ -120,6 +120,27 @@ def test_regions_rebalance_to_the_load(sharded, method):
         assert all(a <= b for a, b in zip(bounds, bounds[1:]))
 
 
+@pytest.mark.parametrize("old,new", [(3, 2), (2, 4)])
+def test_resume_on_another_rank_count_from_merged_states(mpi_available, tmp_path, old, new):
+    """Per-rank state dicts of a sharded job, merged with merge_rank_states and loaded on
+    another rank count: the merged downlink residual is exactly the regions in rank order
+    plus every rank's unsent gradient averaged (no mass lost, no warning), the new job cuts
+    its own regions from it and trains on with identical replicas."""
+    env = {"HVD_SPARSE_RESHARD_DIR": str(tmp_path)}
+    for np_, name in ((old, "save"), (new, "load")):
+        out = tmp_path / name
+        out.mkdir()
+        proc, results = run_ranks("mpirun", np_, "reshard_scenarios.py", out, name,
+                                  timeout=300, env=env)
+        for r in results:
+            assert "errors" not in r, "\n".join(r["errors"].values())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(r["old_size"] == old for r in results)
+    for r in results:
+        assert r["merged_exact"] and r["merged_has_mass"] and r["load_warnings"] == []
+        assert r["cut_into_regions"] and r["replicas_equal"] and r["finite"]
+
+
 def test_rank0_checkpoint_loaded_everywhere(sharded):
     """Rank 0's state dict on every rank: rank 0 gets its region residuals back, the others
     are told theirs start from zero; training goes on with identical replicas."""

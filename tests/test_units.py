@@ -297,3 +297,25 @@ def test_balanced_bounds_follow_the_load_and_bound_the_length():
     # fewer entries than bins or ranks: bounds stay in range and ordered
     tiny = sharded.balanced_bounds(sharded.load_counts(torch.tensor([0, 0, 1]), 3), 3, 4)
     assert tiny[0] == 0 and tiny[-1] == 3 and list(tiny) == sorted(tiny)
+
+
+def test_merge_rank_states_refuses_what_it_cannot_merge():
+    """One state dict per rank of one job, or a clear error naming what is wrong."""
+    import hvd_sparse
+
+    def state(rank, size, **extra):
+        return {"state": {}, "param_groups": [],
+                "hvd_sparse": dict({"rank": rank, "world_size": size, "buckets": {}}, **extra)}
+
+    with pytest.raises(ValueError, match="every rank"):
+        hvd_sparse.merge_rank_states([])
+    with pytest.raises(ValueError, match="one state dict per rank"):
+        hvd_sparse.merge_rank_states([state(0, 3), state(2, 3)])
+    with pytest.raises(ValueError, match="one state dict per rank"):
+        hvd_sparse.merge_rank_states([state(0, 2), state(1, 3)])
+    with pytest.raises(ValueError, match="hvd_sparse optimizer state"):
+        hvd_sparse.merge_rank_states([{"state": {}}])
+    merged = hvd_sparse.merge_rank_states([state(1, 2), state(0, 2)])
+    assert merged["hvd_sparse"]["merged"] and merged["hvd_sparse"]["rank"] == -1
+    with pytest.raises(ValueError, match="merged already"):
+        hvd_sparse.merge_rank_states([merged])

@@ -650,6 +650,12 @@ class Engine:
         if st.shard is None:
             st.shard = Residual(hi - lo, st.downlink.dtype)
             st.shard_layout = layout
+            whole = st.downlink.buffer
+            if whole is not None:
+                # a whole downlink residual (a merged or allgather-collective checkpoint, on
+                # every rank alike): this rank keeps its region of it
+                st.shard.load(whole[lo:hi].to(device).clone())
+                st.downlink.buffer = None
         return st.shard.ensure(torch.empty(0, device=device))
 
     def _set_collective(self, b, new: str) -> None:
@@ -662,12 +668,8 @@ class Engine:
         device = b.params[0].device
         lo, hi = self._region(b)
         if new == "sharded":
-            full = st.downlink.buffer
             st.shard = None
-            region = self._shard(b, lo, hi, device)
-            if full is not None:
-                region.copy_(full[lo:hi])
-            st.downlink.buffer = None
+            self._shard(b, lo, hi, device)  # cuts this rank's region from the whole residual
         else:
             self._regions_to_replicated(b)
         st.collective = new
@@ -1165,7 +1167,8 @@ class Engine:
                     "layout": list(st.shard_layout), "residual": st.shard.state()}
         rep["anchors"] = {k: v.clone() for k, v in rep["anchors"].items()}
         rep.update({"format": STATE_FORMAT, "world_size": t.size(), "rank": t.rank(),
-                    "stats": self.stats.state_dict()})
+                    "stats": self.stats.state_dict(), "average": self.config.average,
+                    "bidirectional": self.config.bidirectional})
         return rep
 
     def load_state_dict(self, extra: dict) -> None:
@@ -1242,7 +1245,8 @@ class Engine:
                 f"{self.transport.rank()} of {self.transport.size()}: each is held by its "
                 "owner alone and cannot be re-sharded from one rank's file; to keep them, "
                 "save one state dict per rank and resume each rank from its own with the "
-                "same number of ranks")
+                "same number of ranks, or load hvd_sparse.merge_rank_states(all of them) on "
+                "every rank of a job of any size")
 
     def reset_round(self):
         self.inflight.clear()

@@ -1,0 +1,92 @@
+"""Resuming on another number of ranks: one state dict from the per-rank ones.
+
+With ``collective="sharded"`` a region's downlink residual lives on its owner alone, and every
+rank's uplink residual is its own; a single rank's state dict holds neither the other regions
+nor the other ranks' unsent gradient. To resume with a different rank count, save one state
+dict per rank, then on the new job::
+
+    states = [torch.load(f"opt_rank{r}.pt") for r in range(old_world_size)]
+    opt.load_state_dict(hvd_sparse.merge_rank_states(states))   # on every rank
+
+The merged state is whole and replicated: each bucket's downlink residual is the owners'
+regions put back together in rank order, and what every rank had not sent yet (its uplink
+residual) is added to it as it would have entered the aggregate (divided by the old rank count
+under ``op=Average``), so no gradient mass is lost; the new job cuts its own regions from it
+on its first step. Everything else (counters, sparsifier state, the wrapped optimizer's state)
+is rank 0's. Per-rank momentum-correction velocities cannot be combined and start from zero.
+"""
+from __future__ import annotations
+
+import copy
+from typing import List
+
+import torch
+
+STATE_KEY = "hvd_sparse"
+
+
+def merge_rank_states(states: List[dict]) -> dict:
+    """One optimizer state dict from the per-rank state dicts of one job (one per rank, any
+    order), loadable on any number of ranks."""
+    if not states:
+        raise ValueError("merge_rank_states needs the state dict of every rank; got none")
+    extras = [s.get(STATE_KEY) if isinstance(s, dict) else None for s in states]
+    if any(e is None for e in extras):
+        raise ValueError("merge_rank_states takes hvd_sparse optimizer state dicts "
+                         "(optimizer.state_dict() of hvd_sparse.DistributedOptimizer)")
+    if any(e.get("merged") for e in extras):
+        raise ValueError("these state dicts were merged already; load the merged one directly")
+    size = extras[0]["world_size"]
+    ranks = sorted(e["rank"] for e in extras)
+    if any(e["world_size"] != size for e in extras) or ranks != list(range(size)):
+        raise ValueError(
+            f"merge_rank_states needs exactly one state dict per rank of one job: got ranks "
+            f"{ranks} of world sizes {sorted({e['world_size'] for e in extras})}")
+    by_rank = {e["rank"]: (s, e) for s, e in zip(states, extras)}
+    first, extra0 = by_rank[0]
+    out = copy.copy(first)
+    merged = copy.deepcopy(extra0)
+    scale = 1.0 / size if extra0.get("average", True) else 1.0
+    for name, entry in merged["buckets"].items():
+        pieces = [by_rank[r][1]["buckets"][name] for r in range(size)]
+        full = _whole_downlink(name, entry["numel"], pieces)
+        uplinks = [p["uplink"] for p in pieces if p.get("uplink") is not None]
+        if uplinks and (full is not None or extra0.get("bidirectional", True)):
+            unsent = torch.zeros(entry["numel"], dtype=uplinks[0].dtype)
+            for u in uplinks:  # rank order
+                unsent += u.detach().cpu().reshape(-1)
+            full = unsent.mul_(scale) if full is None else full.add_(unsent.to(full.dtype) * scale)
+        entry["downlink"] = full
+        entry["shard"] = None
+        entry["uplink"] = None
+        entry["velocity"] = None
+    merged["merged"] = True
+    merged["rank"] = -1
+    out[STATE_KEY] = merged
+    return out
+
+
+def _whole_downlink(name, numel, pieces):
+    """The bucket's downlink residual: the replicated one, or the owners' regions in order."""
+    shards = [p.get("shard") for p in pieces]
+    if all(s is None for s in shards):
+        d = pieces[0].get("downlink")
+        return None if d is None else d.detach().cpu().reshape(-1).clone()
+    full = torch.zeros(numel, dtype=torch.float32)
+    covered = 0
+    for r, s in enumerate(shards):
+        if s is None:
+            raise ValueError(f"bucket '{name}': rank {r} holds no region residual while others "
+                             "do; the state dicts come from different steps or jobs")
+        _size, _rank, lo, hi = s["layout"]
+        if lo != covered:
+            raise ValueError(f"bucket '{name}': rank {r}'s region starts at {lo}, expected "
+                             f"{covered}; the state dicts come from different jobs")
+        res = s["residual"]
+        if res is not None:
+            full = full.to(res.dtype)
+            full[lo:hi] = res.detach().cpu().reshape(-1)
+        covered = hi
+    if covered != numel:
+        raise ValueError(f"bucket '{name}': the regions cover {covered} of {numel} entries")
+    return full
