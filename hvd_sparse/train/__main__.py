@@ -232,6 +232,7 @@ def main(argv=None):
         writer = SummaryWriter(args.tensorboard)
     show = rank == 0 and not args.no_progress
     start, steps, records = time.perf_counter(), 0, []
+    eval_s = 0.0  # time spent evaluating, left out of train_s
     for epoch in range(args.epochs):
         bar = None
         # under a launcher stdout may be a pseudo-terminal, but carriage returns are held
@@ -254,10 +255,14 @@ def main(argv=None):
                       f"loss {running:.3f}, {time.perf_counter() - start:.0f} s", flush=True)
         if bar is not None:
             bar.close()
-        rec = {"epoch": epoch + 1, "steps": steps, "wall_s": round(time.perf_counter() - start, 3),
-               "train_loss": round(running, 5), "ranks": size, "dataset": args.dataset,
-               "model": args.model, "optimizer": args.optimizer}
+        wall = time.perf_counter() - start
+        rec = {"epoch": epoch + 1, "steps": steps, "wall_s": round(wall, 3),
+               "train_s": round(wall - eval_s, 3), "train_loss": round(running, 5),
+               "ranks": size, "dataset": args.dataset, "model": args.model,
+               "optimizer": args.optimizer}
+        before = time.perf_counter()
         rec.update({k: round(v, 5) for k, v in work.evaluate(model, hvd).items()})
+        eval_s += time.perf_counter() - before
         if args.optimizer == "sparse":
             s = opt.communication_stats()
             t = s["totals"]

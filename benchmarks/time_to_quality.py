@@ -1,0 +1,142 @@
+"""Time and bytes to quality: how long, and how many bytes, until a run reaches the validation
+loss that dense Horovod ends with.
+
+    .venv/bin/python benchmarks/time_to_quality.py [--rate 1gbit] [--ranks 2] [--steps 300]
+
+Dense trains ``--steps`` steps; each sparse setting trains up to ``--sparse-steps`` (twice as
+many by default: at equal steps it ends behind dense, so the question is what it costs to catch
+up). All ranks run on this machine behind ``launch/slownet.sh RATE`` and evaluate every
+``--every`` steps; the time counted is training time (``train_s``: evaluations left out), the
+bytes are those each rank sent. A run "reaches" dense's final loss at the first evaluation at or
+below it. Workloads and settings are the convergence study's best per optimizer
+(``benchmarks/convergence.py``): the character Transformer with AdamW, updates exchanged (the
+default for adaptive optimizers), and the character LSTM with SGD, gradients (the default) and
+with DGC's momentum correction.
+
+Writes ``benchmarks/results/time_to_quality.json`` (every evaluation, machine, rate) and
+``time_to_quality.png`` (validation loss against training time and against bytes, dense's final
+loss as a line).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+from common import RESULTS, machine, save
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(ROOT / ".venv" / "bin" / "python")
+
+
+def workloads(every):
+    common = ["--dataset", "shakespeare", "--steps-per-epoch", str(every), "--cost-model", "off"]
+    return {
+        "transformer": common + ["--model", "transformer", "--base-optimizer", "adamw",
+                                 "--lr", "3e-3", "--batch-size", "16", "--seq-len", "128"],
+        "lstm": common + ["--model", "lstm"],
+    }
+
+
+def settings(workload):
+    if workload == "transformer":
+        return {"dense": ["--optimizer", "dense"],
+                "topk1%-update": ["--density", "0.01", "--exchange", "update"]}
+    return {"dense": ["--optimizer", "dense"],
+            "topk1%-grad": ["--density", "0.01", "--exchange", "gradient"],
+            "topk1%-grad-momcorr": ["--density", "0.01", "--exchange", "gradient",
+                                    "--momentum-correction"]}
+
+
+def reached(records, target):
+    """(steps, training seconds, bytes sent) at the first evaluation at or below ``target``."""
+    for r in records:
+        if r["valid_loss"] <= target:
+            return {"steps": r["steps"], "train_s": r["train_s"], "bytes_sent": r["bytes_sent"]}
+    return None
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--sparse-steps", type=int, default=None)
+    p.add_argument("--every", type=int, default=25)
+    p.add_argument("--only", nargs="*", default=None)
+    args = p.parse_args()
+    sparse_steps = args.sparse_steps or 2 * args.steps
+    runs = {}
+    for wname, wargs in workloads(args.every).items():
+        for sname, sargs in settings(wname).items():
+            name = f"{wname}/{sname}"
+            if args.only and name not in args.only:
+                continue
+            steps = args.steps if sname == "dense" else sparse_steps
+            warm = ["--warmup-steps", str(max(1, steps // 10))] if wname == "transformer" else []
+            with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
+                cmd = [str(ROOT / "launch" / "slownet.sh"), args.rate, str(args.ranks), "--", PY,
+                       "-m", "hvd_sparse.train", "--no-progress", "--metrics", f.name,
+                       "--epochs", str(steps // args.every), *wargs, *warm, *sargs]
+                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                                      timeout=3600)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}\n"
+                                       f"{proc.stderr[-2000:]}")
+                recs = [json.loads(line) for line in Path(f.name).read_text().splitlines()]
+            runs[name] = {"args": cmd[4:], "records": recs}
+            last = recs[-1]
+            print(f"{name:32} valid_loss {last['valid_loss']:.4f} after {last['steps']} steps, "
+                  f"{last['train_s']:.0f} s, {last['bytes_sent'] / 2**20:.1f} MiB", flush=True)
+    summary = {}
+    for name, run in runs.items():
+        wname = name.split("/")[0]
+        dense = runs.get(f"{wname}/dense")
+        if dense is None:
+            continue
+        target = dense["records"][-1]["valid_loss"]
+        summary[name] = {"target": target, "reached": reached(run["records"], target)}
+    save("time_to_quality", {"machine": machine(), "rate": args.rate, "ranks": args.ranks,
+                             "runs": runs, "summary": summary})
+    for name, s in summary.items():
+        r = s["reached"]
+        print(f"{name:32} reaches {s['target']:.4f}: " + (
+            f"step {r['steps']}, {r['train_s']:.0f} s, {r['bytes_sent'] / 2**20:.1f} MiB"
+            if r else "not within the run"))
+    plot(runs, summary, RESULTS / "time_to_quality.png")
+
+
+def plot(runs, summary, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads_seen = sorted({n.split("/")[0] for n in runs})
+    fig, axes = plt.subplots(len(workloads_seen), 2, figsize=(11, 4 * len(workloads_seen)),
+                             squeeze=False)
+    for row, wname in enumerate(workloads_seen):
+        for name, run in runs.items():
+            if not name.startswith(wname + "/"):
+                continue
+            recs = run["records"]
+            loss = [r["valid_loss"] for r in recs]
+            axes[row][0].plot([r["train_s"] for r in recs], loss, "-o", ms=3, label=name)
+            axes[row][1].plot([r["bytes_sent"] / 2**20 for r in recs], loss, "-o", ms=3,
+                              label=name)
+        target = summary.get(f"{wname}/dense", {}).get("target")
+        for ax in axes[row]:
+            if target is not None:
+                ax.axhline(target, color="grey", ls="--", lw=1, label="dense, final")
+            ax.set_ylabel("validation loss")
+            ax.legend(fontsize=7)
+        axes[row][0].set_xlabel("training time (s)")
+        axes[row][1].set_xlabel("MiB sent per rank")
+        axes[row][1].set_xscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
