@@ -6,7 +6,8 @@ loss that dense Horovod ends with.
 Dense trains ``--steps`` steps; each sparse setting trains up to ``--sparse-steps`` (twice as
 many by default: at equal steps it ends behind dense, so the question is what it costs to catch
 up). All ranks run on this machine behind ``launch/slownet.sh RATE`` and evaluate every
-``--every`` steps; the time counted is training time (``train_s``: evaluations left out), the
+``--every`` steps (``--only NAME ...`` reruns some settings, e.g. longer, and keeps the
+others' records); the time counted is training time (``train_s``: evaluations left out), the
 bytes are those each rank sent. A run "reaches" dense's final loss at the first evaluation at or
 below it. Workloads and settings are the convergence study's best per optimizer
 (``benchmarks/convergence.py``): the character Transformer with AdamW, updates exchanged (the
@@ -68,7 +69,9 @@ def main():
     p.add_argument("--only", nargs="*", default=None)
     args = p.parse_args()
     sparse_steps = args.sparse_steps or 2 * args.steps
-    runs = {}
+    path = RESULTS / "time_to_quality.json"
+    # runs named with --only replace their earlier records; the others are kept
+    runs = json.loads(path.read_text())["runs"] if args.only and path.exists() else {}
     for wname, wargs in workloads(args.every).items():
         for sname, sargs in settings(wname).items():
             name = f"{wname}/{sname}"
