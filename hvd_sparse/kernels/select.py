@@ -182,6 +182,48 @@ def next_gaussian_threshold(t: float, count: int, n: int, k: int) -> Optional[fl
     return t * (tail_quantile(k / n) / z_seen)
 
 
+def sample_quantile(smp: np.ndarray, n: int, k: int) -> Optional[float]:
+    """GaussianK's first correction: the magnitude that k/n of the fixed sample reach (no
+    model; the residual of error feedback piles up just under the last threshold, which no
+    normal fit follows); ``None`` when the sample is too small to hold one such entry."""
+    rank = int(round(smp.size * k / n))
+    if rank < 1:
+        return None
+    mags = np.abs(smp.astype(np.float64))
+    mags = mags[mags > 0]
+    if rank > mags.size:
+        return None
+    return float(np.partition(mags, mags.size - rank)[mags.size - rank])
+
+
+def interpolated_threshold(seen, k: int) -> Optional[float]:
+    """A later GaussianK correction, from the (threshold, count) pairs already scanned: the
+    tail count of a heavy-tailed vector falls about exponentially with the threshold, so
+    ``log(count)`` is interpolated linearly in ``t`` between the two closest pairs that bracket
+    k (else the last two), and the result is kept inside the bracket (bisection when the line
+    points outside). The normal model's rescaling converges in one step on normal data only;
+    on real residuals it can overshoot back and forth."""
+    import math
+
+    above = [(t, c) for t, c in seen if c > k]  # thresholds too low
+    below = [(t, c) for t, c in seen if c < k]  # thresholds too high
+    if above and below:
+        a = max(above)  # the highest threshold still counting too many
+        b = min(below)  # the lowest threshold counting too few
+    else:
+        a, b = seen[-2], seen[-1]
+    (ta, ca), (tb, cb) = a, b
+    la, lb = math.log(max(ca, 0.5)), math.log(max(cb, 0.5))
+    if ta == tb or la == lb:
+        return None
+    t = ta + (math.log(k) - la) * (tb - ta) / (lb - la)
+    if above and below:
+        lo_t, hi_t = min(ta, tb), max(ta, tb)
+        if not (lo_t < t < hi_t):
+            t = 0.5 * (ta + tb)
+    return t if t > 0 and math.isfinite(t) else None
+
+
 def gaussiank(ops, g, r, k: int, lo: int, hi: int, max_passes: int) -> Selection:
     """GaussianK: the threshold of a normal fit, corrected until the count is in [lo, hi];
     past ``max_passes`` an exact Top-K among the candidates (too many) or overall (too few)."""
@@ -191,8 +233,9 @@ def gaussiank(ops, g, r, k: int, lo: int, hi: int, max_passes: int) -> Selection
     positions = sample_positions(n)
     if positions is None:
         positions = all_positions(n)
-    t = gaussian_threshold(ops.sample(g, r, positions), n, k)
-    s, passes = None, 0
+    smp = ops.sample(g, r, positions)
+    t = gaussian_threshold(smp, n, k)
+    s, passes, seen = None, 0, []
     for passes in range(1, max_passes + 1):
         t32 = _as_dtype(t, r.dtype)
         s = ops.scan(g, r, t32, t32, hi)
@@ -201,7 +244,16 @@ def gaussiank(ops, g, r, k: int, lo: int, hi: int, max_passes: int) -> Selection
         if lo <= s.count <= hi:
             idx, val = ops.gather(g, r, s)
             return Selection(idx, val, val, passes=passes, energy=s.energy)
-        nxt = next_gaussian_threshold(float(t32), s.count, n, k)
+        seen.append((float(t32), s.count))
+        nxt = None
+        if len(seen) == 1:  # the normal fit missed: the sample's own quantile next
+            nxt = sample_quantile(smp, n, k)
+            if nxt is not None and _as_dtype(nxt, r.dtype) == t32:
+                nxt = None
+        else:
+            nxt = interpolated_threshold(seen, k)
+        if nxt is None:
+            nxt = next_gaussian_threshold(float(t32), s.count, n, k)
         if nxt is None:
             break
         t = nxt
