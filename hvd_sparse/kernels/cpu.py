@@ -131,9 +131,10 @@ if HAVE_NUMBA:
             energies[c] = e
 
     @njit(cache=True)
-    def _pick(cidx, cval, k):
-        """The k candidates of largest ``|v|``, ties by lowest index (candidates come in index
-        order, and so do the results).
+    def _pick(cidx, cval, k, sign):
+        """The k candidates of largest ``|v|`` (sign 0) or ``sign * v`` (the other side
+        scoring zero, never taken while k candidates score above it), ties by lowest index
+        (candidates come in index order, and so do the results).
 
         Radix select on the bits of ``|v|`` (for non-negative floats the bit pattern orders
         like the value): a histogram of the top 16 bits names the bin of the k-th magnitude,
@@ -143,6 +144,12 @@ if HAVE_NUMBA:
         the rest together)."""
         m = cval.size
         bits = cval.view(np.uint32) & np.uint32(0x7FFFFFFF)
+        if sign > 0:  # branch-free: the sides of candidates alternate at random
+            for i in range(m):
+                bits[i] *= np.uint32(cval[i] > 0)
+        elif sign < 0:
+            for i in range(m):
+                bits[i] *= np.uint32(cval[i] < 0)
         hist = np.zeros(65536, dtype=np.int64)
         for i in range(m):
             hist[bits[i] >> 16] += 1
@@ -352,14 +359,14 @@ def kth_magnitude(g, r, k: int) -> np.float32:
 
 
 def pick_topk(cidx: torch.Tensor, cval: torch.Tensor, k: int, sign: int = 0):
-    """The k largest of the candidates (by ``|v|``, or by ``sign * v``), ties by lowest index;
-    candidates come in index order and so do the results."""
+    """The k largest of the candidates (by ``|v|``, or by ``sign * v`` among those of that
+    sign, of which there must be at least k), ties by lowest index; candidates come in index
+    order and so do the results."""
     if k >= cval.numel():
         return cidx, cval
     if k <= 0:
         return cidx[:0], cval[:0]
-    # the scores of one side (``sign * v``) are never negative, so they are the magnitudes
-    idx, val = _pick(cidx.numpy(), cval.numpy(), k)
+    idx, val = _pick(cidx.numpy(), cval.numpy(), k, sign)
     return torch.from_numpy(idx), torch.from_numpy(val)
 
 

@@ -145,11 +145,12 @@ def sbc(ops, g, r, k: int) -> Optional[Selection]:
     if s.nonfinite:
         return _empty(r, True)
     cidx, cval = ops.gather(g, r, s)
-    up, down = cval >= float(t_pos), cval <= -float(t_neg)
-    if int(up.sum()) < k or int(down.sum()) < k:
+    # both thresholds are positive, so a candidate's sign says its side (no split copies)
+    ups = int((cval > 0).sum())
+    if ups < k or cval.numel() - ups < k:
         return None
-    pi, pv = ops.pick_topk(cidx[up], cval[up], k, sign=1)
-    ni, nv = ops.pick_topk(cidx[down], cval[down], k, sign=-1)
+    pi, pv = ops.pick_topk(cidx, cval, k, sign=1)  # each pick passes over the other side
+    ni, nv = ops.pick_topk(cidx, cval, k, sign=-1)
     mean_pos, mean_neg = binary_mean(pv), -binary_mean(nv)
     idx, accv, mean = (pi, pv, mean_pos) if mean_pos >= mean_neg else (ni, nv, -mean_neg)
     return Selection(idx, torch.full_like(accv, mean), accv, energy=s.energy)
