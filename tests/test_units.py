@@ -319,3 +319,34 @@ def test_merge_rank_states_refuses_what_it_cannot_merge():
     assert merged["hvd_sparse"]["merged"] and merged["hvd_sparse"]["rank"] == -1
     with pytest.raises(ValueError, match="merged already"):
         hvd_sparse.merge_rank_states([merged])
+
+
+def test_one_rank_sharded_equals_the_allgather_result():
+    """A world of one: every collective gives the same parameters bit for bit (one region
+    covers the bucket; its owner is the only rank)."""
+    import hvd_sparse
+
+    def run(**kw):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
+        opt = hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=m.named_parameters(), density=0.05, min_sparse_numel=0,
+            cost_model="off", transport="local", **kw)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(20):
+            x = torch.randn(8, 30, generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), x[:, :3].argmax(1)).backward()
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+    want = run(collective="allgather")
+    for kw in ({"collective": "sharded"}, {"collective": "sharded", "sharded_selection": "region"},
+               {"collective": "auto"}, {"collective": "sharded", "bidirectional": False}):
+        got = run(**kw)
+        if kw.get("bidirectional") is False:
+            want_uni = run(collective="allgather", bidirectional=False)
+            assert torch.equal(got, want_uni), kw
+        else:
+            assert torch.equal(got, want), kw
