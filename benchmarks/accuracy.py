@@ -12,15 +12,8 @@ wall-clock time and against bytes sent.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import tempfile
-from pathlib import Path
 
-from common import RESULTS, machine, save
-
-ROOT = Path(__file__).resolve().parents[1]
-PY = str(ROOT / ".venv" / "bin" / "python")
+from common import RESULTS, machine, save, slownet, train_run
 
 
 def runs(args):
@@ -55,13 +48,8 @@ def main():
     for name, extra in runs(args).items():
         if args.only and name not in args.only:
             continue
-        with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
-            cmd = [str(ROOT / "launch" / "slownet.sh"), args.rate, str(args.ranks), "--", PY, "-m",
-                   "hvd_sparse.train", "--no-progress", "--metrics", f.name, *extra]
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=5400)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-            results[name] = [json.loads(l) for l in Path(f.name).read_text().splitlines()]
+        results[name] = train_run(name, extra, launcher=slownet(args.rate, args.ranks),
+                                  timeout=5400)
         last = results[name][-1]
         metric = "test_accuracy" if "test_accuracy" in last else "valid_loss"
         print(f"{name:22} {metric} {last[metric]:.4f}  wall {last['wall_s']:.1f} s  "

@@ -44,6 +44,30 @@ def timeit(fn, repeat=5, warmup=1, sync=None) -> float:
     return statistics.median(times)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(ROOT / ".venv" / "bin" / "python")
+
+
+def slownet(rate: str, ranks: int) -> list:
+    """The launcher prefix that runs a command's ranks behind a shaped link of ``rate``."""
+    return [str(ROOT / "launch" / "slownet.sh"), rate, str(ranks), "--"]
+
+
+def train_run(name: str, train_args, launcher=(), timeout: int = 3600) -> list:
+    """Run ``python -m hvd_sparse.train TRAIN_ARGS`` (under ``launcher``, e.g.
+    :func:`slownet`) and return rank 0's per-epoch records; the run's output on failure."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
+        cmd = [*launcher, PY, "-m", "hvd_sparse.train", "--no-progress", "--metrics", f.name,
+               *train_args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        return [json.loads(line) for line in Path(f.name).read_text().splitlines()]
+
+
 def save(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

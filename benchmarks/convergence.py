@@ -37,14 +37,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import tempfile
-from pathlib import Path
 
-from common import RESULTS, machine, save
-
-ROOT = Path(__file__).resolve().parents[1]
-PY = str(ROOT / ".venv" / "bin" / "python")
+from common import RESULTS, machine, save, train_run
 
 
 def levers(steps):
@@ -102,15 +96,8 @@ def main():
                 name += f"@seed{args.seed}"
             if args.ranks != 2:
                 name += f"@{args.ranks}ranks"
-            with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
-                cmd = [PY, "-m", "hvd_sparse.train", "--ranks", str(args.ranks), "--no-progress",
-                       "--seed", str(args.seed), "--metrics", f.name, *wargs, *largs]
-                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                                      timeout=3600)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}\n"
-                                       f"{proc.stderr[-2000:]}")
-                recs = [json.loads(line) for line in Path(f.name).read_text().splitlines()]
+            recs = train_run(name, ["--ranks", str(args.ranks), "--seed", str(args.seed),
+                                    *wargs, *largs])
             results[name] = {"args": wargs + largs, "seed": args.seed, "ranks": args.ranks,
                              "records": recs}
             last = recs[-1]

@@ -22,14 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import tempfile
-from pathlib import Path
 
-from common import RESULTS, machine, save
-
-ROOT = Path(__file__).resolve().parents[1]
-PY = str(ROOT / ".venv" / "bin" / "python")
+from common import RESULTS, machine, save, slownet, train_run
 
 
 def workloads(every):
@@ -79,17 +73,9 @@ def main():
                 continue
             steps = args.steps if sname == "dense" else sparse_steps
             warm = ["--warmup-steps", str(max(1, steps // 10))] if wname == "transformer" else []
-            with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
-                cmd = [str(ROOT / "launch" / "slownet.sh"), args.rate, str(args.ranks), "--", PY,
-                       "-m", "hvd_sparse.train", "--no-progress", "--metrics", f.name,
-                       "--epochs", str(steps // args.every), *wargs, *warm, *sargs]
-                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                                      timeout=3600)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}\n"
-                                       f"{proc.stderr[-2000:]}")
-                recs = [json.loads(line) for line in Path(f.name).read_text().splitlines()]
-            runs[name] = {"args": cmd[4:], "records": recs}
+            train_args = ["--epochs", str(steps // args.every), *wargs, *warm, *sargs]
+            recs = train_run(name, train_args, launcher=slownet(args.rate, args.ranks))
+            runs[name] = {"args": train_args, "records": recs}
             last = recs[-1]
             print(f"{name:32} valid_loss {last['valid_loss']:.4f} after {last['steps']} steps, "
                   f"{last['train_s']:.0f} s, {last['bytes_sent'] / 2**20:.1f} MiB", flush=True)
