@@ -13,11 +13,14 @@ regions put back together in rank order, and what every rank had not sent yet (i
 residual) is added to it as it would have entered the aggregate (divided by the old rank count
 under ``op=Average``), so no gradient mass is lost; the new job cuts its own regions from it
 on its first step. Everything else (counters, sparsifier state, the wrapped optimizer's state)
-is rank 0's. Per-rank momentum-correction velocities cannot be combined and start from zero.
+is rank 0's. Per-rank momentum-correction velocities cannot be combined and start from zero;
+with ``bidirectional=False`` there is no downlink residual to carry the unsent gradients, which
+are then dropped with a warning.
 """
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import List
 
 import torch
@@ -47,11 +50,14 @@ def merge_rank_states(states: List[dict]) -> dict:
     out = copy.copy(first)
     merged = copy.deepcopy(extra0)
     scale = 1.0 / size if extra0.get("average", True) else 1.0
+    dropped = []
     for name, entry in merged["buckets"].items():
         pieces = [by_rank[r][1]["buckets"][name] for r in range(size)]
         full = _whole_downlink(name, entry["numel"], pieces)
         uplinks = [p["uplink"] for p in pieces if p.get("uplink") is not None]
-        if uplinks and (full is not None or extra0.get("bidirectional", True)):
+        if uplinks and not extra0.get("bidirectional", True):
+            dropped.append(name)
+        elif uplinks:
             unsent = torch.zeros(entry["numel"], dtype=uplinks[0].dtype)
             for u in uplinks:  # rank order
                 unsent += u.detach().cpu().reshape(-1)
@@ -60,6 +66,11 @@ def merge_rank_states(states: List[dict]) -> dict:
         entry["shard"] = None
         entry["uplink"] = None
         entry["velocity"] = None
+    if dropped:
+        warnings.warn(
+            f"merge_rank_states: with bidirectional=False there is no downlink residual to "
+            f"carry the ranks' unsent gradients of {', '.join(dropped)}; they are dropped "
+            "(resume with the same rank count from each rank's own state dict to keep them)")
     merged["merged"] = True
     merged["rank"] = -1
     out[STATE_KEY] = merged
@@ -72,7 +83,9 @@ def _whole_downlink(name, numel, pieces):
     if all(s is None for s in shards):
         d = pieces[0].get("downlink")
         return None if d is None else d.detach().cpu().reshape(-1).clone()
-    full = torch.zeros(numel, dtype=torch.float32)
+    present = [s["residual"] for s in shards if s is not None and s["residual"] is not None]
+    present += [p["uplink"] for p in pieces if p.get("uplink") is not None]
+    full = torch.zeros(numel, dtype=present[0].dtype if present else torch.float32)
     covered = 0
     for r, s in enumerate(shards):
         if s is None:
@@ -84,8 +97,7 @@ def _whole_downlink(name, numel, pieces):
                              f"{covered}; the state dicts come from different jobs")
         res = s["residual"]
         if res is not None:
-            full = full.to(res.dtype)
-            full[lo:hi] = res.detach().cpu().reshape(-1)
+            full[lo:hi] = res.detach().cpu().reshape(-1).to(full.dtype)
         covered = hi
     if covered != numel:
         raise ValueError(f"bucket '{name}': the regions cover {covered} of {numel} entries")

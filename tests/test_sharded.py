@@ -138,6 +138,7 @@ def test_resume_on_another_rank_count_from_merged_states(mpi_available, tmp_path
     assert all(r["old_size"] == old for r in results)
     for r in results:
         assert r["merged_exact"] and r["merged_has_mass"] and r["load_warnings"] == []
+        assert r["gathered_before_step_exact"]
         assert r["cut_into_regions"] and r["replicas_equal"] and r["finite"]
 
 

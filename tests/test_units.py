@@ -319,6 +319,26 @@ def test_merge_rank_states_refuses_what_it_cannot_merge():
     assert merged["hvd_sparse"]["merged"] and merged["hvd_sparse"]["rank"] == -1
     with pytest.raises(ValueError, match="merged already"):
         hvd_sparse.merge_rank_states([merged])
+    # bidirectional=False: no downlink residual to carry the unsent gradients: said, not hidden
+    uni = [state(r, 2, bidirectional=False, average=True) for r in range(2)]
+    for r, s in enumerate(uni):
+        s["hvd_sparse"]["buckets"] = {"w": {"numel": 4, "downlink": None, "shard": None,
+                                            "uplink": torch.full((4,), float(r + 1)),
+                                            "velocity": None}}
+    with pytest.warns(UserWarning, match="dropped"):
+        merged = hvd_sparse.merge_rank_states(uni)
+    assert merged["hvd_sparse"]["buckets"]["w"]["uplink"] is None
+    # bidirectional: the uplinks are folded in, averaged, in the residual's own dtype
+    bi = [state(r, 2, bidirectional=True, average=True) for r in range(2)]
+    for r, s in enumerate(bi):
+        s["hvd_sparse"]["buckets"] = {"w": {
+            "numel": 4, "downlink": None, "uplink": torch.full((4,), float(r + 1),
+                                                               dtype=torch.float64),
+            "velocity": None,
+            "shard": {"layout": [2, r, 2 * r, 2 * r + 2], "residual": None}}}
+    whole = hvd_sparse.merge_rank_states(bi)["hvd_sparse"]["buckets"]["w"]["downlink"]
+    assert whole.dtype == torch.float64 and torch.equal(whole, torch.full((4,), 1.5,
+                                                                          dtype=torch.float64))
 
 
 def test_one_rank_sharded_equals_the_allgather_result():

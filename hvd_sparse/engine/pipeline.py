@@ -415,7 +415,7 @@ class Engine:
               nonfinite=False):
         c = self.config
         if self.collective(b) == "sharded":
-            size, rank = self.transport.size(), self.transport.rank()
+            rank = self.transport.rank()
             with self.clock.stage("encode", b.index):
                 payload, splits = sharded.encode_parts(
                     idx, wire_values, self._bounds(b),
@@ -428,6 +428,14 @@ class Engine:
                                               idx.numel(), target, error, commit,
                                               own_bytes=splits[rank])
             return
+        st = self.state[b.index]
+        if st.shard is not None:
+            # sharded before, gathered now (the world size changed the rule's choice): the
+            # region residual was made for another world and cannot be gathered back
+            if st.shard.buffer is not None and bool(st.shard.buffer.any()):
+                warnings.warn(f"bucket '{b.name}': the world changed and the bucket is now "
+                              "exchanged by allgather; this rank's region residual is dropped")
+            st.shard, st.shard_layout = None, None
         with self.clock.stage("encode", b.index):
             payload = wire.encode(idx, wire_values, index_dtype=b.index_dtype, tag=b.tag,
                                   numel=b.numel, index_coding=c.index_coding,
@@ -685,8 +693,7 @@ class Engine:
         """The whole downlink residual from the owners' regions (an allgather; every rank)."""
         st = self.state[b.index]
         lo, hi = self._region(b)
-        mine = st.shard.buffer if st.shard is not None and st.shard.buffer is not None \
-            else torch.zeros(hi - lo, dtype=st.downlink.dtype, device=b.params[0].device)
+        mine = self._shard(b, lo, hi, b.params[0].device)  # cut from a whole one, if any
         handle = self.transport.allgather_async(
             mine.contiguous().view(torch.uint8), f"hvd_sparse.{b.index}.{b.name}.regions")
         return self.transport.wait(handle).view(st.downlink.dtype)
@@ -1163,6 +1170,7 @@ class Engine:
                 entry["downlink"] = st.downlink.state()
                 entry["uplink"] = st.uplink.state()
                 entry["velocity"] = st.velocity.state() if st.velocity else None
+                entry["load"] = None if st.load is None else st.load.clone()
                 entry["shard"] = None if st.shard is None else {
                     "layout": list(st.shard_layout), "residual": st.shard.state()}
         rep["anchors"] = {k: v.clone() for k, v in rep["anchors"].items()}

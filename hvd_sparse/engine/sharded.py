@@ -55,7 +55,10 @@ def load_counts(idx: torch.Tensor, numel: int) -> torch.Tensor:
     bins = max(1, min(LOAD_BINS, numel))
     if idx.numel() == 0:
         return torch.zeros(bins, dtype=torch.float64, device=idx.device)
-    return torch.bincount(idx * bins // numel, minlength=bins).double()
+    # index_add_ rather than bincount: no read of the largest index back to the host
+    ones = torch.ones(idx.numel(), dtype=torch.float64, device=idx.device)
+    return torch.zeros(bins, dtype=torch.float64, device=idx.device).index_add_(
+        0, idx * bins // numel, ones)
 
 
 def region_loads(counts: torch.Tensor, bounds, numel: int) -> torch.Tensor:
@@ -63,7 +66,7 @@ def region_loads(counts: torch.Tensor, bounds, numel: int) -> torch.Tensor:
     its first position (exact once bounds lie on bin edges, as re-balanced ones do)."""
     counts = counts.double().cpu()
     bins = counts.numel()
-    starts = torch.arange(bins, dtype=torch.int64) * numel // bins
+    starts = -(-torch.arange(bins, dtype=torch.int64) * numel // bins)  # first position of a bin
     owner = torch.searchsorted(torch.tensor(bounds[1:-1], dtype=torch.int64), starts,
                                right=True)
     return torch.zeros(len(bounds) - 1, dtype=torch.float64).index_add_(0, owner, counts)
@@ -83,7 +86,7 @@ def balanced_bounds(counts: torch.Tensor, numel: int, size: int) -> Tuple[int, .
     cum = torch.cumsum(w, 0)
     targets = cum[-1] * torch.arange(1, size, dtype=torch.float64) / size
     edges = torch.searchsorted(cum, targets).clamp(max=bins - 1) + 1  # bins before the cut
-    inner = (edges * numel // bins).tolist()
+    inner = (-(-edges * numel // bins)).tolist()  # the first position of bin ``edges``
     return tuple([0] + [int(x) for x in inner] + [numel])
 
 

@@ -49,6 +49,11 @@ def load(res):
     view = opt.engine_state()
     res["merged_exact"] = all(torch.equal(view[n].downlink, w) for n, w in want.items())
     res["merged_has_mass"] = all(bool(w.any()) for w in want.values())
+    # gathering the regions before any step (as a switch to allgather would) finds the
+    # whole residual again: each rank's region is cut from it first, not taken as zeros
+    engine = opt._hs_engine
+    res["gathered_before_step_exact"] = all(
+        torch.equal(engine._gather_regions(b), want[b.name]) for b in engine.buckets if b.sparse)
     base.train(m, opt, 6, start=10)
     after = opt.engine_state()
     res["cut_into_regions"] = all(v.shard is not None and v.downlink is None
