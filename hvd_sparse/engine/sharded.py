@@ -7,17 +7,22 @@ bidirectional Top-K: each rank is the server for one shard):
     uplink      each rank's selection, cut at the region bounds, one payload per owner
     all-to-all  owner r receives, from every rank in rank order, the entries of region r
     owner       sums them in rank order into its own downlink residual for the region,
-                selects from it (the downlink density of the region's length: the per-region
-                rule below) and keeps what it did not send
+                selects from it and keeps what it did not send
     allgather   the owners' selections, so every rank writes the same update; regions are in
                 rank order, so the concatenated positions are already ascending
 
 Per rank about ``k_up (P-1)/P`` pairs go out and come in on the all-to-all and ``k_down``
-pairs arrive on the allgather, whatever P. Regions are equal slices of the bucket; each owner
-keeps ``downlink_density`` of its region, so the downlink takes the top entries of each region
-rather than of the whole bucket (the difference from an exact global Top-K is measured in
-``benchmarks/sharded.py``). A region's downlink residual lives on its owner alone: it is in
-that rank's ``state_dict`` and is restored only on the same rank of a job of the same size.
+pairs arrive on the allgather, whatever P. What an owner selects: for Top-K under the global
+rule, everything at or above one threshold for the whole bucket, found from every owner's
+magnitude histograms (two small allreduces; :func:`coarse_bin`, :func:`fine_threshold`), and a
+bucket too small for those histograms to pay goes by allgather instead
+(:func:`allgather_is_cheaper`); otherwise the downlink density of the region's length (the
+per-region rule, measured against exact global Top-K in ``benchmarks/sharded.py``). Regions
+start as equal slices and follow the load counted from the gathered downlink positions
+(:func:`load_counts`, :func:`balanced_bounds`) where the selection does not depend on a
+region's length. A region's downlink residual lives on its owner alone: it is in that rank's
+``state_dict`` and is restored on the same rank of a job of the same size, or from
+:func:`hvd_sparse.merge_rank_states` of every rank's on a job of any size.
 
 Methods that observe the aggregate (adaptive k) observe the gathered downlink selection, which
 every rank holds, instead of the whole aggregate, which no rank holds.
