@@ -75,14 +75,16 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--merge", action="store_true",
-                   help="keep rows of other (model, rate, ranks) from the existing network.json")
+                   help="keep the existing network.json's rows except those this run "
+                        "measures again (same model, rate, ranks, density and optimizer)")
     args = p.parse_args()
     rows = []
     if args.merge and (RESULTS / "network.json").exists():
         old = json.loads((RESULTS / "network.json").read_text())["rows"]
         rows = [r for r in old if not (r["model"] in args.models and r["rate"] in args.rates
                                        and r["ranks"] in args.ranks
-                                       and r.get("density") == float(args.density))]
+                                       and r.get("density") == float(args.density)
+                                       and r["optimizer"] in args.optimizers)]
     for model in args.models:
         for rate in args.rates:
             for ranks in args.ranks:
@@ -109,6 +111,7 @@ def main():
                     row = {"model": model, "optimizer": name, "rate": rate, "ranks": ranks,
                            "density": float(args.density), "step_s": step,
                            "step_s_repeats": [r["step_s_median"] for r in recs],
+                           "timed_steps": args.steps,
                            "parameters": recs[0]["parameters"], "floor_s": floor_s,
                            "over_floor": step / floor_s if floor_s else None,
                            "speedup_vs_dense": dense_s / step if dense_s else None}
