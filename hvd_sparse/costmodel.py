@@ -82,10 +82,15 @@ def dense_time(nbytes: float, world_size: int, link: Link, by: str = "reduce") -
 
 
 def sharded_time(compute_s: float, payload_bytes: float, world_size: int, link: Link,
-                 downlink_ratio: float = 1.0) -> float:
+                 downlink_ratio: float = 1.0, histogram_bytes: float = 0.0) -> float:
     """One bucket's sharded step: own compute, an all-to-all that brings this rank about one
     payload's worth ((P - 1) / P of a payload of ``payload_bytes``) and an allgather of the
-    owners' selections (``downlink_ratio`` payloads' worth, the same share); two latencies."""
+    owners' selections (``downlink_ratio`` payloads' worth, the same share); two latencies.
+    ``histogram_bytes``: the global rule's two histogram allreduces of this size in all (their
+    latencies are charged in full, though buckets share them)."""
     share = (world_size - 1) / world_size
-    return (compute_s + 2 * link.gather_latency_s
-            + payload_bytes * share * (1.0 + downlink_ratio) / link.gather_bandwidth_Bps)
+    t = (compute_s + 2 * link.gather_latency_s
+         + payload_bytes * share * (1.0 + downlink_ratio) / link.gather_bandwidth_Bps)
+    if histogram_bytes:
+        t += 2 * link.reduce_latency_s + histogram_bytes / link.reduce_bandwidth_Bps
+    return t

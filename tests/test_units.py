@@ -202,6 +202,10 @@ def test_sharded_cost_model_and_option():
         assert shard < gather
     # two latencies: a tiny bucket at 2 ranks is cheaper by allgather
     assert costmodel.sharded_time(0.0, 100, 2, link) > costmodel.sparse_time(0.0, 200, link)
+    # the global rule's histograms: two more latencies and their bytes
+    plain = costmodel.sharded_time(0.0, payload, 4, link)
+    assert costmodel.sharded_time(0.0, payload, 4, link, histogram_bytes=32768) == \
+        pytest.approx(plain + 2e-4 + 32768 / 1e8)
     assert COLLECTIVES == ("allgather", "sharded", "auto")
     import hvd_sparse
 

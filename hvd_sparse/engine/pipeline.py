@@ -1135,7 +1135,8 @@ class Engine:
             if nbytes <= 0:  # never went sparse: no measurement, keep the current choice
                 continue
             t_gather = costmodel.sparse_time(cs, nbytes, self.link)
-            t_sharded = costmodel.sharded_time(cs, nbytes / size, size, self.link, ratio)
+            hist = (sharded.BINS + sharded.FINE_BINS) * 8 if self._global_rule(b) else 0
+            t_sharded = costmodel.sharded_time(cs, nbytes / size, size, self.link, ratio, hist)
             if c.collective == "auto":
                 self._set_collective(b, "sharded" if t_sharded < t_gather
                                      and not self._exact_by_allgather(b) else "allgather")
