@@ -261,8 +261,7 @@ class Engine:
         where every rank picks the exact global Top-K itself; from the configured densities,
         so the choice stays the same through a density warm-up."""
         c = self.config
-        if not (c.bidirectional and c.sharded_selection == "global"
-                and c.downlink_sparsifier.name == "topk"):
+        if not self._global_rule(b):
             return False
         pair = _itemsize(b.index_dtype) + _itemsize(c.value_dtype or b.dtype)
         return sharded.allgather_is_cheaper(int(c.density * b.numel),
@@ -711,9 +710,7 @@ class Engine:
     def _record_load(self, b, idx) -> None:
         """Count the gathered downlink positions (the same on every rank) per position bin."""
         st = self.state[b.index]
-        counts = sharded.load_counts(idx, b.numel)
-        st.load = counts if st.load is None or st.load.numel() != counts.numel() \
-            else st.load.add_(counts)
+        st.load = sharded.load_counts(idx, b.numel, into=st.load)
 
     def _rebalance(self, b) -> None:
         """Every rank at the same step: when the busiest region's load exceeds
@@ -1135,7 +1132,7 @@ class Engine:
             if nbytes <= 0:  # never went sparse: no measurement, keep the current choice
                 continue
             t_gather = costmodel.sparse_time(cs, nbytes, self.link)
-            hist = (sharded.BINS + sharded.FINE_BINS) * 8 if self._global_rule(b) else 0
+            hist = sharded.HISTOGRAM_TENSOR_BYTES if self._global_rule(b) else 0
             t_sharded = costmodel.sharded_time(cs, nbytes / size, size, self.link, ratio, hist)
             if c.collective == "auto":
                 self._set_collective(b, "sharded" if t_sharded < t_gather

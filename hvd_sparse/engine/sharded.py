@@ -53,17 +53,19 @@ REBALANCE_AT = 1.5  # busiest region's load over the mean that moves the bounds
 COLD_SHARE = 0.25  # share of the balancing weight given by length rather than load
 
 
-def load_counts(idx: torch.Tensor, numel: int) -> torch.Tensor:
+def load_counts(idx: torch.Tensor, numel: int, into=None) -> torch.Tensor:
     """How many of the positions ``idx`` fall in each of ``min(LOAD_BINS, numel)`` equal
-    position bins (float64 on ``idx``'s device, exact: summed over steps as the load
-    statistic, and moved to the host only when the load is checked)."""
+    position bins, added to ``into`` when it has that many bins (float64 on ``idx``'s device,
+    exact: summed over steps as the load statistic, and moved to the host only when the load
+    is checked)."""
     bins = max(1, min(LOAD_BINS, numel))
-    if idx.numel() == 0:
-        return torch.zeros(bins, dtype=torch.float64, device=idx.device)
-    # index_add_ rather than bincount: no read of the largest index back to the host
-    ones = torch.ones(idx.numel(), dtype=torch.float64, device=idx.device)
-    return torch.zeros(bins, dtype=torch.float64, device=idx.device).index_add_(
-        0, idx * bins // numel, ones)
+    if into is None or into.numel() != bins:
+        into = torch.zeros(bins, dtype=torch.float64, device=idx.device)
+    if idx.numel():
+        # index_add_ rather than bincount: no read of the largest index back to the host
+        one = torch.ones((), dtype=torch.float64, device=idx.device).expand(idx.numel())
+        into.index_add_(0, idx * bins // numel, one)
+    return into
 
 
 def region_loads(counts: torch.Tensor, bounds, numel: int) -> torch.Tensor:
@@ -134,10 +136,13 @@ FINE_BINS = 1 << (HIST_SHIFT - FINE_SHIFT)
 TINY = float(np.nextafter(np.float32(0), np.float32(1)))
 
 
+HISTOGRAM_TENSOR_BYTES = (BINS + FINE_BINS) * 8  # one bucket's two histograms, float64 counts
+
+
 def histogram_bytes(size: int) -> int:
-    """Bytes one rank receives for one bucket's two histograms (float64 counts, a ring
-    allreduce moves 2 (P-1)/P of the tensor to each rank)."""
-    return int(2 * (size - 1) / size * (BINS + FINE_BINS) * 8)
+    """Bytes one rank receives for one bucket's two histograms (a ring allreduce moves
+    2 (P-1)/P of the tensor to each rank)."""
+    return int(2 * (size - 1) / size * HISTOGRAM_TENSOR_BYTES)
 
 
 def allgather_is_cheaper(k_up: int, k_down: int, size: int, pair_bytes: int) -> bool:

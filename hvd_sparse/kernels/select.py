@@ -11,6 +11,7 @@ exact decision among them on a short list. Results equal the methods' plain torc
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -204,8 +205,6 @@ def interpolated_threshold(seen, k: int) -> Optional[float]:
     k (else the last two), and the result is kept inside the bracket (bisection when the line
     points outside). The normal model's rescaling converges in one step on normal data only;
     on real residuals it can overshoot back and forth."""
-    import math
-
     above = [(t, c) for t, c in seen if c > k]  # thresholds too low
     below = [(t, c) for t, c in seen if c < k]  # thresholds too high
     if above and below:
