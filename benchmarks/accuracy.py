@@ -23,12 +23,15 @@ def runs(args):
     return {
         "fashion/dense": fm + ["--optimizer", "dense"],
         # the sparse method itself: the time cost model could send buckets dense
-        "fashion/topk-1%": fm + ["--density", "0.01", "--cost-model", "off"],
-        "fashion/topk-0.1%": fm + ["--density", "0.001", "--cost-model", "off"],
+        "fashion/topk-1%": fm + ["--density", "0.01", "--cost-model", "off",
+                                 "--collective", "allgather"],
+        "fashion/topk-0.1%": fm + ["--density", "0.001", "--cost-model", "off",
+                                   "--collective", "allgather"],
         "fashion/topk-1%-sharded": fm + ["--density", "0.01", "--cost-model", "off",
                                          "--collective", "sharded"],
         "shakespeare/dense": sh + ["--optimizer", "dense"],
-        "shakespeare/topk-1%": sh + ["--density", "0.01", "--cost-model", "off"],
+        "shakespeare/topk-1%": sh + ["--density", "0.01", "--cost-model", "off",
+                                     "--collective", "allgather"],
         "shakespeare/topk-1%-sharded": sh + ["--density", "0.01", "--cost-model", "off",
                                              "--collective", "sharded"],
     }

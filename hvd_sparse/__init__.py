@@ -7,7 +7,7 @@ and every other name a Horovod training script uses (``init``, ``rank``, ``size`
 looked up in ``horovod.torch`` on first use.
 """
 from .broadcast import broadcast_optimizer_state
-from .checkpoint import merge_rank_states
+from .checkpoint import ShardedStateWarning, merge_rank_states
 from .optimizer import DistributedOptimizer, is_sparse_optimizer
 from .sparsifiers import (AdaptiveTopK, GaussianK, HardThreshold, RandomK, SelectionContext,
                           SparseBinary, Sparsifier, TopK, make_sparsifier, threshold_for_k)
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 __all__ = ["DistributedOptimizer", "Sparsifier", "SelectionContext", "TopK", "GaussianK",
            "HardThreshold", "AdaptiveTopK", "SparseBinary", "RandomK", "make_sparsifier",
            "threshold_for_k", "is_sparse_optimizer", "broadcast_optimizer_state",
-           "merge_rank_states"]
+           "merge_rank_states", "ShardedStateWarning"]
 
 
 def __getattr__(name):

@@ -1,8 +1,16 @@
-"""Resuming on another number of ranks: one state dict from the per-rank ones.
+"""Checkpoints of a sharded exchange: one rank's file made whole, or all ranks' files merged.
 
-With ``collective="sharded"`` a region's downlink residual lives on its owner alone, and every
-rank's uplink residual is its own; a single rank's state dict holds neither the other regions
-nor the other ranks' unsent gradient. To resume with a different rank count, save one state
+With ``collective="sharded"`` (or ``"auto"`` when it shards) a region's downlink residual lives
+on its owner alone, and every rank's uplink residual is its own; a single rank's state dict
+holds neither the other regions nor the other ranks' unsent gradient.
+
+The usual Horovod checkpoint, saved by rank 0 alone, keeps the regions when every rank first
+calls ``optimizer.consolidate_state_dict()`` (a collective, as for PyTorch's
+``ZeroRedundancyOptimizer``): rank 0's next ``state_dict()`` then holds the whole downlink
+residuals, and loads on any number of ranks. Without it, rank 0's ``state_dict()`` warns
+(:class:`ShardedStateWarning`, once) that it holds region 0 only.
+
+To keep every rank's unsent gradient too, and resume with a different rank count, save one state
 dict per rank, then on the new job::
 
     states = [torch.load(f"opt_rank{r}.pt") for r in range(old_world_size)]
@@ -26,6 +34,18 @@ from typing import List
 import torch
 
 STATE_KEY = "hvd_sparse"
+
+
+class ShardedStateWarning(UserWarning):
+    """A state dict that holds this rank's regions of a sharded exchange only."""
+
+
+PARTIAL_STATE_MESSAGE = (
+    "hvd_sparse: sharded buckets keep each region's downlink residual on its owner, so this "
+    "state dict holds rank 0's regions only. If rank 0 alone saves it, call "
+    "optimizer.consolidate_state_dict() on every rank first (or use collective='allgather'), "
+    "or the other regions' unsent aggregate is lost on resume; if every rank saves its own "
+    "state dict, nothing is lost and this warning can be ignored.")
 
 
 def merge_rank_states(states: List[dict]) -> dict:

@@ -15,7 +15,7 @@ import torch
 from . import compat
 from .compat import Adasum, Average, Compression, Sum  # noqa: F401
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
-from .checkpoint import merge_rank_states  # noqa: F401
+from .checkpoint import ShardedStateWarning, merge_rank_states  # noqa: F401
 from .transport import MPITransport
 
 _comm = None

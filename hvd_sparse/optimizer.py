@@ -199,6 +199,13 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         return self._hs_engine.view()
 
     # ----------------------------------------------------------------- checkpoints
+    def consolidate_state_dict(self):
+        """Call on every rank, between steps, before rank 0 alone saves ``state_dict()``: the
+        sharded buckets' region residuals are gathered so that the next ``state_dict()`` of any
+        rank holds them all (:mod:`hvd_sparse.checkpoint`). Without sharded buckets it
+        communicates nothing."""
+        self._hs_engine.consolidate()
+
     def state_dict(self):
         sd = self._hs_base.state_dict(self)
         sd[STATE_KEY] = self._hs_engine.state_dict()
@@ -251,7 +258,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          deterministic_dense=True, dense_fallback=True, cost_model="time",
                          calibration_steps=3, recalibrate_every=0, value_dtype=None,
                          nonfinite="propagate", verify_every=0, check_config=True,
-                         collective="allgather", sharded_selection="global",
+                         collective="auto", sharded_selection="global",
                          rebalance_every=100, scope="tensor", bucket_cap_mb=25.0,
                          min_sparse_numel=1024,
                          max_bucket_numel=None,
@@ -300,13 +307,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     ``value_dtype`` (``torch.float16``/``bfloat16``/``float32``) sets the value type on the wire;
     the rounding error stays in the residual.
 
-    ``collective``: how a sparse bucket is exchanged. ``"allgather"`` (default): every rank
+    ``collective``: how a sparse bucket is exchanged. ``"allgather"``: every rank
     receives every rank's selection (traffic per rank grows with the rank count);
     ``"sharded"``: each rank owns one region of every bucket, receives the selections for it
     (an all-to-all), sums them, re-sparsifies them with its own downlink residual and the
     owners' selections are allgathered (traffic per rank about ``k_up + k_down`` pairs at any
-    rank count; :mod:`hvd_sparse.engine.sharded`); ``"auto"``: per bucket, the faster of the two
-    by the time cost model once it is calibrated. ``sharded_selection``: how owners re-select
+    rank count; :mod:`hvd_sparse.engine.sharded`); ``"auto"`` (default): per bucket, the faster
+    of the two by the time cost model once it is calibrated (before that, sharded from 4 ranks).
+    With sharded buckets, call ``consolidate_state_dict()`` on every rank before rank 0 alone
+    saves ``state_dict()``. ``sharded_selection``: how owners re-select
     a Top-K downlink: ``"global"`` (default; one threshold for the whole bucket, from every
     owner's magnitude histograms summed by two small allreduces per step, a coarse one and a
     finer one inside the bin of the k-th magnitude: the count is within one 2**-14-wide bin of

@@ -142,6 +142,19 @@ def test_resume_on_another_rank_count_from_merged_states(mpi_available, tmp_path
         assert r["cut_into_regions"] and r["replicas_equal"] and r["finite"]
 
 
+def test_consolidated_rank0_checkpoint_keeps_every_region(sharded):
+    """consolidate_state_dict() on every rank, then rank 0's state dict: the whole downlink
+    residual (regions in rank order), no warning; exact resume from it; loaded on every rank,
+    no region dropped. Unconsolidated, rank 0 (only) is warned when it saves."""
+    for r in sharded:
+        assert r["consolidated_partial_warned"] == (r["rank"] == 0)
+        assert not r["consolidated_warned"]
+        assert r["consolidated_whole"] and r["consolidated_has_mass"]
+        assert r["consolidated_resume_exact"]
+        assert not r["consolidated_load_dropped"] and r["consolidated_regions_kept"]
+        assert r["consolidated_everywhere_equal"]
+
+
 def test_rank0_checkpoint_loaded_everywhere(sharded):
     """Rank 0's state dict on every rank: rank 0 gets its region residuals back, the others
     are told theirs start from zero; training goes on with identical replicas."""

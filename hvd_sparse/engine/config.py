@@ -71,7 +71,7 @@ class EngineConfig:
     nonfinite: str = "propagate"
     verify_every: int = 0
     check_config: bool = True
-    collective: str = "allgather"  # or "sharded" (engine/sharded.py), or "auto" per bucket
+    collective: str = "auto"  # per bucket; or "allgather", or "sharded" (engine/sharded.py)
     sharded_selection: str = "global"  # Top-K downlink of a sharded bucket: one threshold
     # for the whole bucket (a histogram allreduce), or "region": each owner its own top
     rebalance_every: int = 100  # sharded: steps between checks of the regions' load (0: never)
@@ -120,7 +120,7 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
                  index_coding, momentum_correction, local_clip_norm, density_warmup_steps,
                  dense_warmup_steps, local_steps, track_error, exchange, deterministic_dense,
                  dense_fallback, cost_model, calibration_steps, recalibrate_every, value_dtype,
-                 nonfinite, verify_every, check_config, collective="allgather",
+                 nonfinite, verify_every, check_config, collective="auto",
                  sharded_selection="global", rebalance_every=100) -> EngineConfig:
     """Validate the keywords of :func:`hvd_sparse.DistributedOptimizer` (clear errors naming
     the keyword) and freeze them."""

@@ -25,7 +25,7 @@ from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
-from .. import aggregation, costmodel, kernels, safety, wire
+from .. import aggregation, checkpoint, costmodel, kernels, safety, wire
 from ..compat import Compression
 from ..dgc import clip_local, warmup_density
 from ..kernels import select as fused
@@ -101,6 +101,7 @@ class Engine:
         self._flag_at_exchange = False  # communication delay: a local step saw NaN/Inf
         self._serving = {}  # sharded buckets: this rank's region selection, being allgathered
         self._histogram_bytes = {}  # sharded buckets under the global rule: this step's share
+        self._consolidated = {}  # sharded buckets: whole downlink residuals, until the next step
 
     # ----------------------------------------------------------------- small helpers
     def _ctx(self, b, direction):
@@ -1094,6 +1095,7 @@ class Engine:
         self.stats.end_step()
         self.clock.end_step()
         self.steps += 1
+        self._consolidated = {}
         if c.cost_model == "time" and self.transport.size() > 1 and (
                 self.steps == c.dense_warmup_steps + c.calibration_steps
                 or (c.recalibrate_every and self.calibrated_at is not None
@@ -1157,9 +1159,20 @@ class Engine:
                             for b in self.buckets if b.sparse}}
 
     # ----------------------------------------------------------------- checkpoints
+    def consolidate(self) -> None:
+        """Collective (every rank, between steps): each sharded bucket's region residuals are
+        allgathered, so that this rank's ``state_dict()`` before the next step holds the whole
+        downlink residuals, as under the allgather collective, and a file saved by one rank
+        resumes every rank without losing the other owners' unsent aggregate."""
+        self._consolidated = {
+            b.index: self._gather_regions(b) for b in self.buckets
+            if b.sparse and self.collective(b) == "sharded"
+            and self.state[b.index].shard is not None}
+
     def state_dict(self) -> dict:
         t = self.transport
         rep = self.replicated_state()
+        partial = []
         for b in self.buckets:
             if b.sparse:
                 st = self.state[b.index]
@@ -1169,8 +1182,15 @@ class Engine:
                 entry["uplink"] = st.uplink.state()
                 entry["velocity"] = st.velocity.state() if st.velocity else None
                 entry["load"] = None if st.load is None else st.load.clone()
-                entry["shard"] = None if st.shard is None else {
-                    "layout": list(st.shard_layout), "residual": st.shard.state()}
+                entry["shard"] = None
+                if b.index in self._consolidated:
+                    entry["downlink"] = self._consolidated[b.index].clone()
+                elif st.shard is not None:
+                    entry["shard"] = {"layout": list(st.shard_layout),
+                                      "residual": st.shard.state()}
+                    partial += [b.name] if st.shard.buffer is not None else []
+        if partial and t.rank() == 0 and t.size() > 1:
+            warnings.warn(checkpoint.PARTIAL_STATE_MESSAGE, checkpoint.ShardedStateWarning)
         rep["anchors"] = {k: v.clone() for k, v in rep["anchors"].items()}
         rep.update({"format": STATE_FORMAT, "world_size": t.size(), "rank": t.rank(),
                     "stats": self.stats.state_dict(), "average": self.config.average,
@@ -1225,6 +1245,7 @@ class Engine:
                     st.velocity.load(None if v is None else v.to(b.params[0].device))
         self._load_shards(saved, mine, own)
         self.stats.load_state_dict(extra.get("stats", {}))
+        self._consolidated = {}
         self.agreement_due = True
 
     def _load_shards(self, saved, mine, own) -> None:

@@ -41,7 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--cost-model", default="time", choices=["time", "bytes", "off"],
                    help="per-bucket dense fallback: from measured time (default), bytes, or never")
     p.add_argument("--transport", default=None, choices=["horovod", "mpi"])
-    p.add_argument("--collective", default="allgather", choices=["allgather", "sharded", "auto"],
+    p.add_argument("--collective", default="auto", choices=["allgather", "sharded", "auto"],
                    help="how sparse buckets are exchanged (see DistributedOptimizer)")
     p.add_argument("--sharded-selection", default="global", choices=["global", "region"],
                    help="how a sharded Top-K downlink is selected (see DistributedOptimizer)")

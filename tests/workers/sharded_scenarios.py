@@ -343,8 +343,59 @@ def rank0_checkpoint(res):
     res["rank0_ckpt_equal"] = same(params(m2))
 
 
+def consolidated_checkpoint(res):
+    """Rank 0 alone saves, after consolidate_state_dict() on every rank: its state dict holds
+    every owner's region (the whole downlink residual, no warning), resumes each rank exactly
+    from its own, and loaded on every rank loses no region. Without consolidating, rank 0's
+    state_dict() warns."""
+    import warnings
+
+    def saving(call):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = call()
+        return out, any(issubclass(w.category, hvd.ShardedStateWarning) for w in caught)
+
+    m = model()
+    opt = make(m)
+    train(m, opt, 6)
+    _, res["consolidated_partial_warned"] = saving(opt.state_dict)
+    mine = {n: v.shard for n, v in opt.engine_state().items() if v.sparse}
+    everyone = hvd.allgather_object(mine)
+    want = {n: torch.cat([everyone[r][n] for r in range(hvd.size())]) for n in mine}
+    opt.consolidate_state_dict()
+    whole, res["consolidated_warned"] = saving(opt.state_dict)
+    got = whole["hvd_sparse"]["buckets"]
+    res["consolidated_whole"] = all(got[n]["shard"] is None and torch.equal(got[n]["downlink"], w)
+                                    for n, w in want.items())
+    res["consolidated_has_mass"] = any(bool(w.any()) for w in want.values())
+    snapshot = copy.deepcopy((m.state_dict(), whole))
+    train(m, opt, 4, start=6)
+    straight = params(m)
+    m2 = model(seed=3)
+    m2.load_state_dict(snapshot[0])
+    opt2 = make(m2)
+    opt2.load_state_dict(snapshot[1])
+    train(m2, opt2, 4, start=6)
+    res["consolidated_resume_exact"] = bool(torch.equal(params(m2), straight))
+    first = hvd.allgather_object(snapshot)[0]  # rank 0's file, loaded everywhere
+    m3 = model(seed=4)
+    m3.load_state_dict(first[0])
+    opt3 = make(m3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt3.load_state_dict(first[1])
+    res["consolidated_load_dropped"] = any("re-sharded" in str(w.message) for w in caught)
+    view = opt3.engine_state()
+    res["consolidated_regions_kept"] = all(torch.equal(view[n].downlink, w)
+                                           for n, w in want.items())
+    train(m3, opt3, 4, start=6)
+    res["consolidated_everywhere_equal"] = same(params(m3))
+
+
 SCENARIOS = [replicas, dense_average, unidirectional_equals_allgather, resume, uneven, nonfinite,
-             traffic, auto, selection_rules, small_topk_gathered, rebalance, rank0_checkpoint]
+             traffic, auto, selection_rules, small_topk_gathered, rebalance, rank0_checkpoint,
+             consolidated_checkpoint]
 
 if __name__ == "__main__":
     runner.run_scenarios(hvd, SCENARIOS)
