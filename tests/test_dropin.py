@@ -6,20 +6,30 @@ from conftest import run_ranks
 
 pytestmark = pytest.mark.multirank
 
-CONFIGS = [("mpirun", 2, "horovod"), ("mpirun", 2, "mpi")]
+# the last: every bucket sharded, at the rank count from which "auto" (the default) shards
+CONFIGS = [("mpirun", 2, "horovod", "default"), ("mpirun", 2, "mpi", "default"),
+           ("mpirun", 4, "horovod", "sharded")]
 
 
-@pytest.fixture(scope="module", params=CONFIGS, ids=[f"{l}-np{n}-{b}" for l, n, b in CONFIGS])
+@pytest.fixture(scope="module", params=CONFIGS,
+                ids=[f"{l}-np{n}-{b}-{c}" for l, n, b, c in CONFIGS])
 def dropin(request, tmp_path_factory):
-    launcher, np_, backend = request.param
+    launcher, np_, backend, collective = request.param
     request.getfixturevalue("mpi4py_available" if backend == "mpi" else "mpi_available")
-    out = tmp_path_factory.mktemp(f"dropin-{backend}")
+    out = tmp_path_factory.mktemp(f"dropin-{backend}-{np_}")
     proc, results = run_ranks(launcher, np_, "dropin_scenarios.py", out, timeout=400,
-                              env={"HVD_SPARSE_TEST_BACKEND": backend})
+                              env={"HVD_SPARSE_TEST_BACKEND": backend,
+                                   "HVD_SPARSE_TEST_COLLECTIVE": collective})
     for r in results:
         assert "errors" not in r, f"rank {r['rank']} failed:\n" + "\n".join(r["errors"].values())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return results
+
+
+def test_collective_is_the_configured_one(dropin):
+    """The 4-rank configuration really runs every bucket through the sharded exchange."""
+    for r in dropin:
+        assert r["collectives"] == (["sharded"] if r["size"] == 4 else ["allgather"])
 
 
 def _keys(results, prefix):

@@ -40,10 +40,17 @@ def step(m, opt, i, poison=None):
     return opt.step()
 
 
+# the sharded exchange (which "auto" picks from 4 ranks on) for every bucket, when asked
+SHARDED = {"collective": "sharded", "sharded_selection": "region"} \
+    if os.environ.get("HVD_SPARSE_TEST_COLLECTIVE") == "sharded" else {}
+
+
 def make(m, base=None, **kw):
     kw.setdefault("density", 0.1)
     kw.setdefault("min_sparse_numel", 0)
     kw.setdefault("cost_model", "off")
+    for key, value in SHARDED.items():
+        kw.setdefault(key, value)
     base = base or torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     return hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(), **kw)
 
@@ -90,6 +97,10 @@ def scenario_resume_from_rank0(res):
             opt = make(m, build(m.parameters()), sparsifier="adaptive")
             for i in range(6):
                 step(m, opt, i)
+            res["collectives"] = sorted({v.collective for v in opt.engine_state().values()
+                                         if v.sparse})
+            if SHARDED:  # what the documentation asks before rank 0 alone saves
+                opt.consolidate_state_dict()
             ckpt = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict()})
             saved = ckpt["opt"]["hvd_sparse"]
             m2 = model(seed=100 + hvd.rank())  # the fresh ranks differ until the broadcast
