@@ -12,7 +12,10 @@ from conftest import WORKERS, _env
 pytestmark = pytest.mark.multirank
 
 
-def test_elastic_join_and_removal_keep_replicas_identical(tmp_path, mpi_available):
+@pytest.mark.parametrize("collective", ["default", "sharded"])
+def test_elastic_join_and_removal_keep_replicas_identical(tmp_path, mpi_available, collective):
+    """Also with every bucket sharded: at each world change the survivors' regions are
+    gathered and cut again for the new world; only the departed worker's are lost."""
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
     discover = tmp_path / "discover.sh"
@@ -23,7 +26,8 @@ def test_elastic_join_and_removal_keep_replicas_identical(tmp_path, mpi_availabl
            "--max-np", "3", "--host-discovery-script", str(discover), sys.executable,
            str(WORKERS / "elastic_worker.py"), str(tmp_path), str(hosts)]
     try:
-        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+        env = dict(_env(), HVD_SPARSE_TEST_COLLECTIVE=collective)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"elastic job hung:\n{e.stdout}\n{e.stderr}")
     results = []
@@ -37,3 +41,8 @@ def test_elastic_join_and_removal_keep_replicas_identical(tmp_path, mpi_availabl
         assert r["params_equal"] and r["downlink_equal"] and r["steps_equal"], r
         assert r["finite"]
         assert r["steps"] == r["batch"]  # one exchange per batch, counters carried across
+        assert r["collectives"] == (["sharded"] if collective == "sharded" else ["allgather"])
+        # the join loses nothing; the shrink loses the departed worker's regions, said once
+        assert not any("unsent aggregate is dropped" in w for w in r["region_warnings"]), r
+        assert all("departed" in w for w in r["region_warnings"]), r
+        assert len(r["region_warnings"]) == (1 if collective == "sharded" else 0), r

@@ -273,6 +273,22 @@ def test_allgather_serves_small_topk_buckets_under_the_global_rule():
     assert sharded.histogram_bytes(2) == 2 * (1 / 2) * 4096 * 8
 
 
+def test_whole_from_regions_keeps_survivors_and_zeros_the_departed():
+    """Elastic reset: regions held by survivors of a 3-rank world, region 1 twice (a rank
+    renumbered and a copy), region 2's owner gone."""
+    from hvd_sparse.engine import sharded
+
+    full = torch.arange(1.0, 11.0)
+    bounds = sharded.region_bounds(10, 3)
+    piece = [(bounds[r], bounds[r + 1], full[bounds[r]:bounds[r + 1]].clone()) for r in range(3)]
+    whole, covered = sharded.whole_from_regions(10, [piece[1], piece[0], piece[1]], torch.float32)
+    assert covered == bounds[2]
+    assert torch.equal(whole[:bounds[2]], full[:bounds[2]])
+    assert not whole[bounds[2]:].any()
+    whole, covered = sharded.whole_from_regions(10, piece, torch.float32)
+    assert covered == 10 and torch.equal(whole, full)
+
+
 def test_balanced_bounds_follow_the_load_and_bound_the_length():
     """Uniform load keeps equal regions; load in the first tenth moves the first bounds into
     it, shares the load within a bin of equal, and no region passes 1 / COLD_SHARE times the

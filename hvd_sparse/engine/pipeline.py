@@ -19,6 +19,7 @@ ready buckets and call :meth:`Engine.finish`; they never touch its state directl
 """
 from __future__ import annotations
 
+import io
 import warnings
 from types import MappingProxyType
 from typing import Dict, List, NamedTuple, Optional
@@ -150,8 +151,11 @@ class Engine:
         if not self.agreement_due and size == self._agreed_size:
             return
         self.agreement_due = False
+        world_changed = size != self._agreed_size  # also a fresh job, or a joining worker
         self._agreed_size = size
         root, self.agreement_root = self.agreement_root, 0
+        if world_changed:
+            self._recover_regions()
         if size == 1:
             return
         theirs = agreement.agree(self.transport,
@@ -159,6 +163,42 @@ class Engine:
                                  self.replicated_state(), root)
         if theirs is not None:
             self.load_replicated(theirs)
+
+    def _recover_regions(self) -> None:
+        """After the world changed (an elastic reset), the regions that surviving owners hold,
+        made for the old world, are gathered by every rank and put back together into whole
+        downlink residuals, which the next step cuts for the new world: only the regions of
+        departed workers are lost (with a warning). Every rank of the new world calls this
+        (a fresh process too, with nothing to give), so it costs one small allgather at the
+        start of a job."""
+        size, rank = self.transport.size(), self.transport.rank()
+        mine = {b.name: (tuple(st.shard_layout), st.shard.buffer.detach().cpu())
+                for b in self.buckets for st in [self.state[b.index]]
+                if b.sparse and st.shard is not None and st.shard.buffer is not None
+                and st.shard_layout is not None and tuple(st.shard_layout[:2]) != (size, rank)}
+        blob = b""
+        if mine:
+            buf = io.BytesIO()
+            torch.save(mine, buf)
+            blob = buf.getvalue()
+        held = [torch.load(io.BytesIO(d), weights_only=True)
+                for d in safety._gather_bytes(self.transport, blob, "hvd_sparse.regions.recover")
+                if d]
+        lost = []
+        for b in self.buckets:
+            pieces = [(lay[2], lay[3], res) for h in held if b.name in h
+                      for lay, res in [h[b.name]]]
+            if not pieces:
+                continue
+            st = self.state[b.index]
+            whole, covered = sharded.whole_from_regions(b.numel, pieces, st.downlink.dtype)
+            st.downlink.load(whole.to(b.params[0].device))
+            st.shard, st.shard_layout = None, None
+            if covered < b.numel:
+                lost.append(f"{b.name} ({b.numel - covered} of {b.numel} entries)")
+        if lost:
+            warnings.warn("the world changed: the region residuals of departed workers are lost "
+                          f"for {', '.join(lost)}; the survivors' regions are kept")
 
     def request_agreement(self, root: int = 0) -> None:
         """Compare replicated state across ranks before the next exchange, adopting ``root``'s

@@ -97,6 +97,23 @@ def balanced_bounds(counts: torch.Tensor, numel: int, size: int) -> Tuple[int, .
     return tuple([0] + [int(x) for x in inner] + [numel])
 
 
+def whole_from_regions(numel: int, pieces, dtype) -> Tuple[torch.Tensor, int]:
+    """A bucket's whole downlink residual from the regions that owners of an earlier world
+    still hold, ``(lo, hi, residual)`` each, in any order (the same region twice counts
+    once); positions no piece covers (a departed owner's) are zeros. The pieces come from one
+    world (the last agreed one), so they do not overlap. Returns the residual and how many
+    positions the pieces covered."""
+    whole = torch.zeros(numel, dtype=dtype)
+    covered, seen = 0, set()
+    for lo, hi, res in pieces:
+        if (lo, hi) in seen or not 0 <= lo <= hi <= numel or res.numel() != hi - lo:
+            continue
+        seen.add((lo, hi))
+        whole[lo:hi] = res.reshape(-1).to(dtype)
+        covered += hi - lo
+    return whole, covered
+
+
 def cut_points(idx: torch.Tensor, bounds) -> List[int]:
     """Where each region's entries start and end in the ascending positions ``idx`` (one host
     read for all regions)."""

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +33,12 @@ def main():
     hvd.init()
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    # HVD_SPARSE_TEST_COLLECTIVE=sharded: every bucket sharded (each region on its owner)
+    sharded = os.environ.get("HVD_SPARSE_TEST_COLLECTIVE") == "sharded"
+    extra = {"collective": "sharded", "sharded_selection": "region"} if sharded else {}
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=m.named_parameters(), density=0.1,
-                                   min_sparse_numel=0, cost_model="off")
+                                   min_sparse_numel=0, cost_model="off", **extra)
     state = hvd.elastic.TorchState(model=m, optimizer=opt, batch=0, phase=0, sizes=[])
 
     @hvd.elastic.run
@@ -61,10 +65,16 @@ def main():
                     and 3 in state.sizes:
                 break
             time.sleep(0.05)
+            if sharded:
+                opt.consolidate_state_dict()  # every rank commits at the same point
             state.commit()
 
-    train(state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(state)
+    notes = sorted({str(w.message) for w in caught if "region" in str(w.message)})
     engine = opt.engine_state()
+    collectives = sorted({v.collective for v in engine.values() if v.sparse})
     own = {
         "params": digest(list(m.parameters())),
         "downlink": digest([v.downlink for v in engine.values() if v.sparse]),
@@ -72,7 +82,8 @@ def main():
     }
     everyone = hvd.allgather_object(own)
     res = {"rank": hvd.rank(), "size": hvd.size(), "sizes": list(state.sizes),
-           "batch": state.batch, "steps": own["steps"],
+           "batch": state.batch, "steps": own["steps"], "collectives": collectives,
+           "region_warnings": notes,
            "params_equal": all(e["params"] == own["params"] for e in everyone),
            "downlink_equal": all(e["downlink"] == own["downlink"] for e in everyone),
            "steps_equal": all(e["steps"] == own["steps"] for e in everyone),
