@@ -123,6 +123,10 @@ def main():
                     if "cost_model" in last:
                         row["buckets_dense"] = sum(
                             b["mode"] == "dense" for b in last["cost_model"]["buckets"].values())
+                        # what the cost model chose per bucket (dense, or the sparse collective)
+                        row["choices"] = {
+                            name: "dense" if b["mode"] == "dense" else b.get("collective")
+                            for name, b in last["cost_model"]["buckets"].items()}
                         row["buckets_sparse_capable"] = len(last["cost_model"]["buckets"])
                     rows.append(row)
     save("network", {"machine": machine(), "steps": args.steps, "repeats": args.repeats,
