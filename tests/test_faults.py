@@ -1,6 +1,5 @@
 """Never hang, never drift, never lose a residual: real 2-3 rank runs, each with a timeout."""
 import subprocess
-import sys
 import time
 
 import pytest

@@ -5,6 +5,7 @@ regions, a non-finite step, and the traffic per rank. Each rank writes OUTDIR/ra
 import copy
 import os
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -169,7 +170,6 @@ def nonfinite(res):
     p.grad; the SGD step then writes NaN, so train() with poison uses 'skip' here)."""
     m = model()
     opt = make(m, nonfinite="skip")
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train(m, opt, 8, poison_at=3)
@@ -319,22 +319,27 @@ def rebalance(res):
         res[f"rebalance_{method}_resume_exact"] = bool(torch.equal(moved, resumed))
 
 
+def restored(saved, seed):
+    """A fresh model and optimizer loaded from ``(model state, optimizer state)``, and the
+    warnings the optimizer's load gave."""
+    m = model(seed=seed)
+    m.load_state_dict(saved[0])
+    opt = make(m)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(saved[1])
+    return m, opt, [str(w.message) for w in caught]
+
+
 def rank0_checkpoint(res):
     """The usual Horovod resume, rank 0's file loaded everywhere: rank 0 restores its region
     residuals, the others start theirs from zero with a warning; replicas stay identical."""
-    import warnings
-
     m = model()
     opt = make(m)
     train(m, opt, 6)
     saved = hvd.allgather_object((copy.deepcopy(m.state_dict()), opt.state_dict()))[0]
-    m2 = model(seed=3)
-    m2.load_state_dict(saved[0])
-    opt2 = make(m2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        opt2.load_state_dict(saved[1])
-    res["rank0_ckpt_warned"] = any("cannot be re-sharded" in str(w.message) for w in caught)
+    m2, opt2, said = restored(saved, seed=3)
+    res["rank0_ckpt_warned"] = any("cannot be re-sharded" in w for w in said)
     shards = [v.shard for v in opt2.engine_state().values() if v.sparse]
     mine = [v.shard for v in opt.engine_state().values() if v.sparse]
     res["rank0_ckpt_own_restored"] = all(a is not None and torch.equal(a, b)
@@ -348,8 +353,6 @@ def consolidated_checkpoint(res):
     every owner's region (the whole downlink residual, no warning), resumes each rank exactly
     from its own, and loaded on every rank loses no region. Without consolidating, rank 0's
     state_dict() warns."""
-    import warnings
-
     def saving(call):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -372,20 +375,12 @@ def consolidated_checkpoint(res):
     snapshot = copy.deepcopy((m.state_dict(), whole))
     train(m, opt, 4, start=6)
     straight = params(m)
-    m2 = model(seed=3)
-    m2.load_state_dict(snapshot[0])
-    opt2 = make(m2)
-    opt2.load_state_dict(snapshot[1])
+    m2, opt2, _ = restored(snapshot, seed=3)
     train(m2, opt2, 4, start=6)
     res["consolidated_resume_exact"] = bool(torch.equal(params(m2), straight))
     first = hvd.allgather_object(snapshot)[0]  # rank 0's file, loaded everywhere
-    m3 = model(seed=4)
-    m3.load_state_dict(first[0])
-    opt3 = make(m3)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        opt3.load_state_dict(first[1])
-    res["consolidated_load_dropped"] = any("re-sharded" in str(w.message) for w in caught)
+    m3, opt3, said = restored(first, seed=4)
+    res["consolidated_load_dropped"] = any("re-sharded" in w for w in said)
     view = opt3.engine_state()
     res["consolidated_regions_kept"] = all(torch.equal(view[n].downlink, w)
                                            for n, w in want.items())
