@@ -8,13 +8,19 @@ This version also covers a broadcast in the middle of a run, with the chosen roo
 """
 from __future__ import annotations
 
+import warnings
+
+from .checkpoint import ShardedStateWarning
+
 
 def broadcast_optimizer_state(optimizer, root_rank=0, model=None, **kwargs):
     """Horovod's ``broadcast_optimizer_state``; for an hvd_sparse optimizer, also take the
     root's replicated state before the next exchange. Call it on every rank."""
     import horovod.torch as hvd
 
-    hvd.broadcast_optimizer_state(optimizer, root_rank, model=model, **kwargs)
+    with warnings.catch_warnings():  # the state dict it reads is not a checkpoint
+        warnings.simplefilter("ignore", ShardedStateWarning)
+        hvd.broadcast_optimizer_state(optimizer, root_rank, model=model, **kwargs)
     engine = getattr(optimizer, "_hs_engine", None)
     if engine is not None:
         engine.request_agreement(root_rank)

@@ -9,6 +9,7 @@ uses :class:`hvd_sparse.transport.MPITransport`. It never imports Horovod.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -105,7 +106,9 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
     """Give every rank rank ``root_rank``'s optimizer state and hyper-parameters; for an
     hvd_sparse optimizer, also its replicated state (downlink residuals, counters), taken before
     the next exchange. Each rank keeps its own uplink residuals. Call it on every rank."""
-    sd = optimizer.state_dict()
+    with warnings.catch_warnings():  # the state dict read here is not a checkpoint
+        warnings.simplefilter("ignore", ShardedStateWarning)
+        sd = optimizer.state_dict()
     sd.pop("hvd_sparse", None)
     optimizer.load_state_dict(broadcast_object(sd, root_rank))
     engine = getattr(optimizer, "_hs_engine", None)

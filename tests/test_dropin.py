@@ -57,6 +57,7 @@ def test_broadcast_optimizer_state_mid_run_reunites_replicas(dropin):
     for r in dropin:
         assert r["midrun_steps"] == 5  # rank 0's old state (4 steps) plus one
         assert r["midrun_params_equal"] and r["midrun_downlink_equal"]
+        assert not r["midrun_broadcast_warned"]  # a broadcast is not a rank-0 checkpoint
 
 
 @pytest.mark.parametrize("prefix", ["amp", "amp_update"])

@@ -1135,7 +1135,7 @@ class Engine:
         self.stats.end_step()
         self.clock.end_step()
         self.steps += 1
-        self._consolidated = {}
+        self._consolidated.clear()
         if c.cost_model == "time" and self.transport.size() > 1 and (
                 self.steps == c.dense_warmup_steps + c.calibration_steps
                 or (c.recalibrate_every and self.calibrated_at is not None
@@ -1212,7 +1212,7 @@ class Engine:
     def state_dict(self) -> dict:
         t = self.transport
         rep = self.replicated_state()
-        partial = []
+        partial = False  # a region residual of this rank only
         for b in self.buckets:
             if b.sparse:
                 st = self.state[b.index]
@@ -1228,7 +1228,7 @@ class Engine:
                 elif st.shard is not None:
                     entry["shard"] = {"layout": list(st.shard_layout),
                                       "residual": st.shard.state()}
-                    partial += [b.name] if st.shard.buffer is not None else []
+                    partial = partial or st.shard.buffer is not None
         if partial and t.rank() == 0 and t.size() > 1:
             warnings.warn(checkpoint.PARTIAL_STATE_MESSAGE, checkpoint.ShardedStateWarning)
         rep["anchors"] = {k: v.clone() for k, v in rep["anchors"].items()}
@@ -1285,7 +1285,7 @@ class Engine:
                     st.velocity.load(None if v is None else v.to(b.params[0].device))
         self._load_shards(saved, mine, own)
         self.stats.load_state_dict(extra.get("stats", {}))
-        self._consolidated = {}
+        self._consolidated.clear()
         self.agreement_due = True
 
     def _load_shards(self, saved, mine, own) -> None:
