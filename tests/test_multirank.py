@@ -1,4 +1,5 @@
-"""The drop-in optimizer on real multi-process jobs: 2 and 3 ranks, mpirun and horovodrun."""
+"""The drop-in optimizer on real multi-process jobs: 2 to 4 ranks, mpirun and horovodrun (4 is
+where the default collective, "auto", starts to shard)."""
 import pytest
 
 from conftest import run_ranks
@@ -8,7 +9,8 @@ pytestmark = pytest.mark.multirank
 # (launcher, ranks, backend): Horovod under both of its controllers, and the mpi4py transport
 # under plain mpirun with Horovod made unimportable.
 CONFIGS = [("mpirun", 2, "horovod"), ("mpirun", 3, "horovod"), ("horovodrun", 2, "horovod"),
-           ("horovodrun", 3, "horovod"), ("mpirun", 2, "mpi"), ("mpirun", 3, "mpi")]
+           ("horovodrun", 3, "horovod"), ("mpirun", 2, "mpi"), ("mpirun", 3, "mpi"),
+           ("mpirun", 4, "horovod")]
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=[f"{l}-np{n}-{b}" for l, n, b in CONFIGS])
