@@ -63,6 +63,12 @@ def levers(steps):
         # global rule; at 1% these models' buckets all go by allgather): issue 11's accuracy
         "topk10%-grad": ["--density", "0.1", *grad, "--collective", "allgather"],
         "topk10%-grad-sharded": ["--density", "0.1", *grad, "--collective", "sharded"],
+        # the levers that each helped a little, together
+        "topk1%-grad-momcorr-global-warmup": ["--density", "0.01", *grad,
+                                              "--momentum-correction", "--scope", "model",
+                                              *warm],
+        "topk1%-update-global-warmup": ["--density", "0.01", *update, "--scope", "model",
+                                        *warm],
         "topk0.1%-grad": ["--density", "0.001", *grad],
         "topk0.1%-update": ["--density", "0.001", *update],
     }
