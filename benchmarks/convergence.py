@@ -63,6 +63,13 @@ def levers(steps):
         # global rule; at 1% these models' buckets all go by allgather): issue 11's accuracy
         "topk10%-grad": ["--density", "0.1", *grad, "--collective", "allgather"],
         "topk10%-grad-sharded": ["--density", "0.1", *grad, "--collective", "sharded"],
+        # Sahu et al. (NeurIPS'21): a hard threshold with error feedback minimises the total
+        # error for a total communication budget, where Top-K spends the same k every step.
+        # Lambda depends on the gradients' scale: these are set for the LSTM (--only lstm/...)
+        # so that the run sends about Top-K 1%'s bytes
+        "threshold3.6e-3-grad": ["--sparsifier", "threshold", "--threshold", "3.6e-3", *grad],
+        "threshold2e-2-grad-momcorr": ["--sparsifier", "threshold", "--threshold", "2e-2",
+                                       *grad, "--momentum-correction"],
         # the levers that each helped a little, together
         "topk1%-grad-momcorr-global-warmup": ["--density", "0.01", *grad,
                                               "--momentum-correction", "--scope", "model",
