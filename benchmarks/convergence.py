@@ -70,6 +70,9 @@ def levers(steps):
         "threshold3.6e-3-grad": ["--sparsifier", "threshold", "--threshold", "3.6e-3", *grad],
         "threshold2e-2-grad-momcorr": ["--sparsifier", "threshold", "--threshold", "2e-2",
                                        *grad, "--momentum-correction"],
+        # and for the Transformer's AdamW updates (--only transformer/...)
+        "threshold1e-2-update": ["--sparsifier", "threshold", "--threshold", "1e-2", *update],
+        "threshold2e-2-update": ["--sparsifier", "threshold", "--threshold", "2e-2", *update],
         # the levers that each helped a little, together
         "topk1%-grad-momcorr-global-warmup": ["--density", "0.01", *grad,
                                               "--momentum-correction", "--scope", "model",
