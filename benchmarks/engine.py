@@ -75,7 +75,8 @@ def build(n, ranks, density, device, steps, sparsifier):
         {"total_steps": steps + 2} if sparsifier == "adaptive" else {}
     opt = hvd_sparse.DistributedOptimizer(
         torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)], density=density,
-        sparsifier=sparsifier, cost_model="off", check_config=False, transport=transport,
+        sparsifier=sparsifier, cost_model="off", collective="allgather", check_config=False,
+        transport=transport,
         **extra)
     (name, view), = opt.engine_state().items()
     k = max(1, int(density * n))

@@ -189,6 +189,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         out = engine.stats.as_dict()
         out["stage_seconds"] = dict(engine.clock.last)
         out["totals"]["stage_seconds"] = dict(engine.clock.totals)
+        out["totals"]["downlink_selections"] = engine.downlink_paths()
         out["cost_model"] = engine.cost_report()
         out["exchange"] = "update" if engine.config.exchanges_updates else "gradient"
         return out

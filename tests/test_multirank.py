@@ -42,6 +42,14 @@ def test_replicas_bitwise_identical_after_200_steps(core, scope):
         assert r[f"bitwise_{scope}_moved"] > 1e-3
 
 
+def test_watched_and_scanning_ranks_stay_identical(core):
+    """The downlink watch answers exactly as a scan: rank 1 scans, the others watch."""
+    for r in core:
+        assert r["watch_params_equal"] and r["watch_downlink_equal"]
+    assert core[1]["watch_paths"]["incremental"] == 0
+    assert core[0]["watch_paths"]["incremental"] > 100  # 2 sparse buckets x 100 steps
+
+
 def test_communication_stats_count_real_bytes(core):
     size = core[0]["size"]
     for r in core:

@@ -20,6 +20,7 @@ ready buckets and call :meth:`Engine.finish`; they never touch its state directl
 from __future__ import annotations
 
 import io
+import os
 import warnings
 from types import MappingProxyType
 from typing import Dict, List, NamedTuple, Optional
@@ -103,6 +104,9 @@ class Engine:
         self._serving = {}  # sharded buckets: this rank's region selection, being allgathered
         self._histogram_bytes = {}  # sharded buckets under the global rule: this step's share
         self._consolidated = {}  # sharded buckets: whole downlink residuals, until the next step
+        # HVD_SPARSE_DOWNLINK_WATCH=off: scan the downlink residual every step (a diagnostic:
+        # the selections are the same bits either way)
+        self._watching = os.environ.get("HVD_SPARSE_DOWNLINK_WATCH", "on") != "off"
 
     # ----------------------------------------------------------------- small helpers
     def _ctx(self, b, direction):
@@ -637,27 +641,39 @@ class Engine:
                 support = kernels.ops_for(scratch).support_sum(scratch, payloads, scale)
                 c.sparsifier.observe(support, self._ctx(b, "up"))
                 c.downlink_sparsifier.observe(support, self._ctx(b, "down"))
+            watch = None
             if c.bidirectional:
+                fresh = st.downlink.buffer is None
                 target = st.downlink.ensure(torch.empty(0, device=device))
+                if self._watching and kernels.ops_for(target) is kernels.cpu:
+                    watch = st.watch.begin(target, fresh)
             else:
                 target = st.flat_buffer(b.numel, st.downlink.dtype, device)
                 target.zero_()
             ops = kernels.ops_for(target)
             for p in payloads:  # rank order; indices unique within a payload
-                if p.indices.numel():
+                if p.indices.numel() and watch is not None:
+                    watch.scatter(ops, target, p.indices, p.values, scale)
+                elif p.indices.numel():
                     ops.scatter_add(target, p.indices, p.values, scale)
         if c.bidirectional:
             residual = target
             _, down_density = self.densities()
-            ctx = self._ctx(b, "down")
+            ctx = SelectionContext(bucket=b.name, step=self.steps, rank=self.transport.rank(),
+                                   direction="down", watch=watch)
             with self.clock.stage("downlink_select", b.index):
                 sel = c.downlink_sparsifier.fused(ops, None, residual, down_density, ctx)
                 if sel is not None and not sel.nonfinite:
                     fused.commit(ops, None, residual, sel, sel.values)
                     idx, values = sel.idx, sel.values
+                    if not sel.ordered and len(b.params) > 1:  # split by parameter below
+                        order = torch.argsort(idx)
+                        idx, values = idx[order], values[order]
                 else:
                     idx, values = c.downlink_sparsifier.compress(residual, down_density, ctx)
                     st.downlink.settle(idx, values)
+                if watch is not None:
+                    watch.end(residual)
             with self.clock.stage("write", b.index):
                 self._write_sparse(b, idx, values, job.sparse_grads, write, ops, job.zeroed)
             down_selected = idx.numel()
@@ -1189,6 +1205,13 @@ class Engine:
                         "gathered_bytes": nbytes, "allgather_s": t_gather,
                         "sharded_s": t_sharded, "collective": self.collective(b)}
         self.calibrated_at = self.steps
+
+    def downlink_paths(self) -> dict:
+        """How the CPU downlink selections were made since the start: from the watched
+        positions (``incremental``) or by a scan of the residual (``scanned``)."""
+        watches = [self.state[b.index].watch for b in self.buckets]
+        return {"incremental": sum(w.incremental for w in watches),
+                "scanned": sum(w.scanned for w in watches)}
 
     def cost_report(self) -> dict:
         """The cost model's inputs and choices (part of ``communication_stats()``)."""

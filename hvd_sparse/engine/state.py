@@ -9,6 +9,7 @@ import torch
 from ..aggregation import accumulation_dtype
 from ..dgc import MomentumCorrection
 from ..feedback import Residual
+from ..kernels.watch import ResidualWatch
 
 
 @dataclass
@@ -34,6 +35,9 @@ class BucketState:
     # check, per position bin (sharded.load_counts of the gathered downlink positions)
     bounds: Optional[tuple] = None
     load: Optional[torch.Tensor] = None
+    # the downlink residual's positions that can be selected next (exact re-selection
+    # without a scan, numba backend); rebuilt by one scan whenever it cannot be trusted
+    watch: ResidualWatch = field(default_factory=ResidualWatch)
 
     @classmethod
     def for_bucket(cls, b, momentum_correction: float) -> "BucketState":

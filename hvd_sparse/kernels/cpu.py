@@ -20,6 +20,7 @@ assumptions, which would remove the non-finite check. numba is optional: without
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -201,6 +202,106 @@ if HAVE_NUMBA:
                 pos += 1
                 scratch[i] = 0.0
         return pos
+
+    @njit(cache=True)
+    def _scatter_add_read(target, idx, vals, scale, out):
+        """``_scatter_add`` that also hands back each written entry's new value (already in a
+        register: no extra memory access); returns whether one of them is NaN/Inf."""
+        bad = False
+        for j in range(idx.size):
+            i = idx[j]
+            x = target[i] + vals[j] * scale
+            target[i] = x
+            out[j] = x
+            bad |= not math.isfinite(x)
+        return bad
+
+    @njit(cache=True)
+    def _collect(idx, val, bound, mark, out_idx, out_val, p):
+        """Append the entries of one (index, value) list whose index is not yet marked (lists
+        come newest first, so the current value wins), marking it; only ``|v| >= bound`` are
+        appended. ``mark`` is a bit set over the positions. Returns the new length."""
+        for j in range(idx.size):
+            i = idx[j]
+            w = i >> 6
+            bit = np.uint64(1) << np.uint64(i & 63)
+            m = mark[w]
+            if m & bit:
+                continue
+            mark[w] = m | bit
+            v = val[j]
+            out_idx[p] = i
+            out_val[p] = v
+            p += abs(v) >= bound  # written always, kept or overwritten by the next
+        return p
+
+    @njit(cache=True)
+    def _pick_unordered(cidx, cval, k):
+        """The k entries of largest ``|v|`` among candidates in any order, ties by lowest
+        index: radix select as in ``_pick``, the few entries tied at the k-th magnitude sorted
+        by index. Returns (chosen indices, values, the other indices, values), each in
+        candidate order."""
+        m = cval.size
+        bits = cval.view(np.uint32) & np.uint32(0x7FFFFFFF)
+        hist = np.zeros(65536, dtype=np.int64)
+        for i in range(m):
+            hist[bits[i] >> 16] += 1
+        above = 0
+        top = 65535
+        while above + hist[top] < k:
+            above += hist[top]
+            top -= 1
+        need = k - above
+        hist[:] = 0
+        for i in range(m):
+            if (bits[i] >> 16) == top:
+                hist[bits[i] & 0xFFFF] += 1
+        low = 65535
+        while hist[low] < need:
+            need -= hist[low]
+            low -= 1
+        kth = (np.uint32(top) << np.uint32(16)) | np.uint32(low)
+        tied = np.empty(hist[low], dtype=np.int64)  # entries at the k-th magnitude
+        t = 0
+        for i in range(m):
+            if bits[i] == kth:
+                tied[t] = cidx[i]
+                t += 1
+        tied.sort()
+        cutoff = tied[need - 1]  # of those, the lowest-index ones up to here are taken
+        sel_idx = np.empty(k, dtype=np.int64)
+        sel_val = np.empty(k, dtype=np.float32)
+        rest_idx = np.empty(m - k, dtype=np.int64)
+        rest_val = np.empty(m - k, dtype=np.float32)
+        p = q = 0
+        for i in range(m):
+            b = bits[i]
+            x = cidx[i]
+            if b > kth or (b == kth and x <= cutoff):
+                sel_idx[p] = x
+                sel_val[p] = cval[i]
+                p += 1
+            else:
+                rest_idx[q] = x
+                rest_val[q] = cval[i]
+                q += 1
+        return sel_idx, sel_val, rest_idx, rest_val
+
+    @njit(cache=True)
+    def _without(cidx, cval, sidx):
+        """The entries of (cidx, cval) whose index is not in ``sidx`` (all ascending, sidx a
+        subset of cidx)."""
+        out_idx = np.empty(cidx.size - sidx.size, dtype=np.int64)
+        out_val = np.empty(cidx.size - sidx.size, dtype=np.float32)
+        j = p = 0
+        for i in range(cidx.size):
+            if j < sidx.size and sidx[j] == cidx[i]:
+                j += 1
+            else:
+                out_idx[p] = cidx[i]
+                out_val[p] = cval[i]
+                p += 1
+        return out_idx[:p], out_val[:p]
 
     @njit(cache=True)
     def _set_at(target, idx, vals):
@@ -386,11 +487,21 @@ def commit(g, r, idx, remainder, zero_grad=False) -> None:
         _set_at(_np(r), idx.numpy(), _np(remainder))
 
 
-def scatter_add(target, idx, vals, scale: float) -> None:
-    """``target[idx] += vals * scale`` (indices unique: the order of the writes does not matter)."""
+def scatter_add(target, idx, vals, scale: float, read: bool = False):
+    """``target[idx] += vals * scale`` (indices unique: the order of the writes does not
+    matter); ``read``: also return the written entries' new values (a numpy array) and
+    whether one of them is NaN/Inf."""
     if vals.dtype != torch.float32 or target.dtype != torch.float32:
-        return reference.scatter_add(target, idx, vals, scale)
-    _scatter_add(_np(target), idx.numpy(), vals.contiguous().numpy(), np.float32(scale))
+        reference.scatter_add(target, idx, vals, scale)
+        if read:
+            out = target[idx].numpy()
+            return out, not bool(np.isfinite(out).all())
+        return None
+    args = (_np(target), idx.numpy(), vals.contiguous().numpy(), np.float32(scale))
+    if not read:
+        return _scatter_add(*args)
+    out = np.empty(idx.numel(), dtype=np.float32)
+    return out, _scatter_add_read(*args, out)
 
 
 def support_sum(scratch, payloads, scale: float):
@@ -407,6 +518,36 @@ def support_sum(scratch, payloads, scale: float):
         if p.indices.numel():
             pos = _support_values(_np(scratch), p.indices.numpy(), out, pos)
     return torch.from_numpy(out[:pos])
+
+
+def position_marks(n: int) -> np.ndarray:
+    """An all-zero bit set over ``n`` positions, for :func:`candidates`."""
+    return np.zeros((n + 63) // 64, dtype=np.uint64)
+
+
+def candidates(lists, bound, mark):
+    """Each position of (int64 index, float32 value) lists, newest first, once, with its
+    newest value, kept when ``|v| >= bound``; ``mark`` (all zero) is left all zero."""
+    total = sum(i.size for i, _ in lists)
+    out_idx = np.empty(total + 1, dtype=np.int64)
+    out_val = np.empty(total + 1, dtype=np.float32)
+    p = 0
+    bound = np.float32(bound)
+    for idx, val in lists:
+        p = _collect(idx, val, bound, mark, out_idx, out_val, p)
+    mark[:] = 0
+    return out_idx[:p], out_val[:p]
+
+
+def pick_unordered(cidx, cval, k):
+    """The Top-K of candidates in any order (ties by lowest index), in candidate order, and
+    the candidates left: (indices, values, rest indices, rest values), numpy arrays."""
+    return _pick_unordered(cidx, cval, k)
+
+
+def without(cidx, cval, sidx):
+    """Entries of (cidx, cval) not indexed by ``sidx`` (ascending, a subset)."""
+    return _without(cidx, cval, np.ascontiguousarray(sidx, dtype=np.int64))
 
 
 def set_at(target, idx, vals) -> None:

@@ -27,13 +27,14 @@ class Selection:
     """What a method chose from ``acc``; ``nonfinite`` means ``acc`` held NaN/Inf and nothing
     was chosen."""
 
-    idx: torch.Tensor  # int64, ascending
+    idx: torch.Tensor  # int64, ascending unless ``ordered`` is False
     values: torch.Tensor  # what goes on the wire (before the value codec)
     acc_values: torch.Tensor  # acc[idx]
     nonfinite: bool = False
     passes: int = 1  # scans that counted candidates (GaussianK's corrections)
     fallback: bool = False  # an exact Top-K decided (GaussianK out of its band)
     energy: Optional[float] = None  # sum of acc^2 over the whole vector, when the scan gave it
+    ordered: bool = True  # idx ascending (False: in no particular order, from a watch)
 
 
 def _empty(r, nonfinite=False):
@@ -79,17 +80,28 @@ def sampled_threshold(scores: np.ndarray, n: int, k: int) -> Optional[np.float32
     return max(np.float32(t), TINY)
 
 
-def topk(ops, g, r, k: int) -> Selection:
-    """Exact Top-K by magnitude, ties by lowest index."""
+def topk(ops, g, r, k: int, watch=None) -> Selection:
+    """Exact Top-K by magnitude, ties by lowest index. ``watch``: a
+    :class:`~hvd_sparse.kernels.watch.ResidualWatch` of the downlink residual ``r`` (``g`` is
+    None), which may answer from the positions it tracks instead of a scan."""
+    if watch is not None and g is None:
+        return watch.topk(ops, r, k)
+    return topk_scanned(ops, g, r, k)[0]
+
+
+def topk_scanned(ops, g, r, k: int):
+    """:func:`topk` by a scan: (selection, candidate indices, candidate values, threshold),
+    where the candidates are every entry with ``|acc| >= threshold``, so every other entry is
+    below it; the last three are None when no scan collected candidates."""
     n = r.numel()
     if k <= 0:
-        return _empty(r, ops.scan(g, r, INF, INF).nonfinite)
+        return _empty(r, ops.scan(g, r, INF, INF).nonfinite), None, None, None
     if k >= n:
         s = ops.scan(g, r, -INF, INF, n)  # every finite entry is a candidate
         if s.nonfinite:
-            return _empty(r, True)
+            return _empty(r, True), None, None, None
         idx, val = ops.gather(g, r, s)
-        return Selection(idx, val, val, energy=s.energy)
+        return Selection(idx, val, val, energy=s.energy), idx, val, np.float32(0)
     pos = sample_positions(n)
     s = None
     if pos is not None:
@@ -100,17 +112,20 @@ def topk(ops, g, r, k: int) -> Selection:
         t = ops.kth_magnitude(g, r, k)
         s = ops.scan(g, r, t, t, 2 * k)
     if s.nonfinite:
-        return _empty(r, True)
+        return _empty(r, True), None, None, None
     cidx, cval = ops.gather(g, r, s)
     idx, val = ops.pick_topk(cidx, cval, k)
-    return Selection(idx, val, val, energy=s.energy)
+    return Selection(idx, val, val, energy=s.energy), cidx, cval, t
 
 
-def threshold(ops, g, r, lam: float) -> Selection:
+def threshold(ops, g, r, lam: float, watch=None) -> Selection:
     """Every entry with ``|acc| >= lam``, ``lam`` taken in the accumulation dtype (rounded to
     nearest, as torch's ``tensor >= float`` does): an explicit conversion, so the outcome does
-    not depend on NumPy's promotion rules for mixed scalars (which changed in NumPy 2)."""
+    not depend on NumPy's promotion rules for mixed scalars (which changed in NumPy 2).
+    ``watch``: as for :func:`topk`."""
     t = _as_dtype(lam, r.dtype)
+    if watch is not None and g is None:
+        return watch.threshold(ops, r, t)
     s = ops.scan(g, r, t, t)
     if s.nonfinite:
         return _empty(r, True)

@@ -97,7 +97,7 @@ class AdaptiveTopK(Sparsifier):
 
     def fused(self, ops, grad, residual, density, ctx):
         k = self.k_for_step(residual.numel(), density, ctx.bucket)
-        sel = fused_select.topk(ops, grad, residual, k)
+        sel = fused_select.topk(ops, grad, residual, k, watch=ctx.watch)
         if not sel.nonfinite:  # a step with NaN/Inf selects nothing and spends nothing
             self._take(ctx.bucket, k)
         return sel

@@ -8,7 +8,7 @@ agree across ranks is derived only from data every rank has (the aggregate, via 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
@@ -22,6 +22,9 @@ class SelectionContext:
     step: int = 0
     rank: int = 0
     direction: str = "up"  # "up": this rank's uplink; "down": replicated downlink
+    # downlink on the CPU: the engine's list of the residual's positions that can be chosen
+    # (:class:`~hvd_sparse.kernels.watch.ResidualWatch`), for methods that can use it
+    watch: Optional[object] = field(default=None, compare=False, repr=False)
 
 
 def k_for_density(numel: int, density: float) -> int:

@@ -45,7 +45,7 @@ class HardThreshold(Sparsifier):
         return threshold_indices(acc, self.threshold)
 
     def fused(self, ops, grad, residual, density, ctx):
-        return fused_select.threshold(ops, grad, residual, self.threshold)
+        return fused_select.threshold(ops, grad, residual, self.threshold, watch=ctx.watch)
 
     def target_count(self, numel, density, ctx):
         return None

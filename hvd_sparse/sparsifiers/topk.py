@@ -12,4 +12,5 @@ class TopK(Sparsifier):
         return topk_indices(acc, k_for_density(acc.numel(), density))
 
     def fused(self, ops, grad, residual, density, ctx):
-        return fused_select.topk(ops, grad, residual, k_for_density(residual.numel(), density))
+        return fused_select.topk(ops, grad, residual, k_for_density(residual.numel(), density),
+                                 watch=ctx.watch)

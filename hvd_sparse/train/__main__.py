@@ -335,6 +335,7 @@ def _benchmark(args, one_step, rank, size, n_params, opt):
         s = opt.communication_stats()
         rec.update(bytes_sent_per_step=s["bytes_sent"], bytes_received_per_step=s["bytes_received"],
                    dense_bytes_per_step=s["dense_bytes"], cost_model=s["cost_model"],
+                   downlink_selections=s["totals"]["downlink_selections"],
                    stage_s_mean={k: (v - stages0[k]) / len(times)
                                  for k, v in s["totals"]["stage_seconds"].items()})
     if rank == 0:

@@ -155,6 +155,27 @@ def scenario_bitwise(res):
         res[f"bitwise_{scope}_stats"] = stats
 
 
+def scenario_watch_mixed(res):
+    """Rank 1 scans its downlink residual every step, the others select from their watched
+    positions (as after a resume or join, when a rank's list is gone): still the same bits."""
+    if hvd.rank() == 1:
+        os.environ["HVD_SPARSE_DOWNLINK_WATCH"] = "off"
+    try:
+        m = make_model(5)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=m.named_parameters(), cost_model="off", density=0.02,
+            min_sparse_numel=0)
+    finally:
+        os.environ.pop("HVD_SPARSE_DOWNLINK_WATCH", None)
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    train(m, opt, 100)
+    down = torch.cat([v.downlink for v in opt.engine_state().values() if v.sparse])
+    res["watch_params_equal"] = all_equal_digest(flat_params(m))
+    res["watch_downlink_equal"] = all_equal_digest(down)
+    res["watch_paths"] = opt.communication_stats()["totals"]["downlink_selections"]
+
+
 EQUIVALENCE_CASES = {
     "bpps1": {},
     "bpps2": {"backward_passes_per_step": 2},
@@ -373,7 +394,7 @@ def scenario_time_cost_model(res):
 
 SCENARIOS = [scenario_bad_input, scenario_reference, scenario_bitwise, scenario_dense_equivalence,
              scenario_bpps_guards, scenario_missing_grad, scenario_checkpoint,
-             scenario_dense_fallback, scenario_time_cost_model]
+             scenario_dense_fallback, scenario_time_cost_model, scenario_watch_mixed]
 
 
 if __name__ == "__main__":

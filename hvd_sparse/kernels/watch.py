@@ -1,0 +1,163 @@
+"""Exact downlink re-selection without a scan: track the few positions that can be chosen.
+
+Between two downlink selections the replicated residual changes only where the step's P
+payloads land (the selected entries are then zeroed). So the engine keeps, per bucket, a
+*bound* and the short list of positions at or above it (with their values): every other entry
+is strictly below the bound. A Top-K needs only the union of that list with the payloads'
+positions, as long as at least k of them reach the bound: then no entry outside can beat, or
+tie with, the k-th. A hard threshold at or above the bound needs only the payloads' positions.
+The work per step is O(P k) instead of a pass over the whole residual; where the condition
+fails (a young or reloaded residual, k grown past the list) one ordinary scan decides and
+refills the list.
+
+The answer is the scan's answer bit for bit (same entries, same ties by lowest index), so a
+rank whose list was lost (a resumed or joining worker) stays identical to the others without
+the list being checkpointed or agreed. The list is trusted only while the residual is the same
+tensor at the same version (torch counts in-place writes) and nothing but the engine's
+scatter and commit wrote it; numba's writes bypass that counter, so the engine brackets each
+step with :meth:`ResidualWatch.begin` and :meth:`ResidualWatch.end`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import cpu
+from .select import TINY, Selection, _empty, topk_scanned
+
+#: the list is trimmed (the bound raised) when it grows past this many times k
+TRIM_FACTOR = 2
+#: a candidate costs about this many entries of a scan (merging, selecting among them and
+#: keeping the list, against a streaming pass; numba, one core): with more candidates than
+#: n / SCAN_RATIO the scan is the cheaper way, and the list is not kept
+SCAN_RATIO = 10
+
+
+class ResidualWatch:
+    """The positions of one downlink residual that may be selected next, for the numba
+    backend. Counters ``incremental`` and ``scanned`` say how often each path served."""
+
+    def __init__(self):
+        self.buffer = None  # the residual tensor the list describes
+        self.version = None
+        self.idx = None  # ascending int64 positions with |r| >= bound (None: unknown)
+        self.val = None  # their values
+        self.bound = None  # every other entry has |r| < bound
+        self.mark = None  # an all-zero bit set over the positions, reused every step
+        self.touched = []  # (positions, values after the write) per payload, in rank order
+        self.nonfinite = False
+        self.used = False
+        self.incremental = 0
+        self.scanned = 0
+
+    # ----------------------------------------------------------------- the engine's side
+    def begin(self, residual: torch.Tensor, fresh: bool) -> "ResidualWatch":
+        """Before the payloads are scattered: keep the list only if ``residual`` is the tensor
+        it describes and was not written since (``fresh``: just allocated, all zeros)."""
+        if fresh:
+            self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), TINY)
+        elif self.buffer is not residual or residual._version != self.version:
+            self.idx = None
+        self.buffer = residual
+        self.touched = []
+        self.nonfinite = False
+        self.used = False
+        return self
+
+    def scatter(self, ops, residual, indices, values, scale) -> None:
+        """The engine's scatter of one payload, in rank order, noting the positions written
+        and their new values."""
+        now, bad = ops.scatter_add(residual, indices, values, scale, read=True)
+        self.touched.append((indices.numpy(), now))
+        self.nonfinite |= bad
+
+    def end(self, residual: torch.Tensor) -> None:
+        """After the selection was committed: remember the version, or forget the list when
+        the method did not keep it up to date."""
+        if not self.used or self.idx is None:
+            self.idx = None
+            self.buffer = None
+        else:
+            self.version = residual._version
+        self.touched = []
+
+    # ----------------------------------------------------------------- the methods' side
+    def topk(self, ops, r: torch.Tensor, k: int) -> Selection:
+        self.used = True
+        n = r.numel()
+        if self.nonfinite:
+            self.idx = None
+            return _empty(r, True)
+        cheap = self._cheap(n)
+        if self.idx is not None and 0 < k < n and cheap:
+            mark = self._marks(n)
+            cidx, cval = cpu.candidates(self._newest_first(), self.bound, mark)
+            if cidx.size >= k:  # k of them reach the bound: nothing outside can compete
+                idx, val, rest_idx, rest_val = cpu.pick_unordered(cidx, cval, k)
+                self._keep(rest_idx, rest_val, self.bound, k)
+                self.incremental += 1
+                val = torch.from_numpy(val)
+                return Selection(torch.from_numpy(idx), val, val, ordered=False)
+        sel, cidx, cval, t = topk_scanned(ops, None, r, k)
+        self.scanned += 1
+        if sel.nonfinite or cidx is None or not cheap:
+            self.idx = None
+        else:
+            self._keep(*cpu.without(cidx.numpy(), cval.numpy(), sel.idx.numpy()),
+                       max(np.float32(t), TINY), k)
+        return sel
+
+    def threshold(self, ops, r: torch.Tensor, t) -> Selection:
+        self.used = True
+        t = np.float32(t)
+        if self.nonfinite:
+            self.idx = None
+            return _empty(r, True)
+        if self.idx is not None and TINY <= self.bound <= t and self._cheap(r.numel()):
+            # every entry outside is below the bound, hence below t: only the list and the
+            # touched positions can be selected
+            mark = self._marks(r.numel())
+            idx, val = (torch.from_numpy(a) for a in
+                        cpu.candidates(self._newest_first(), t, mark))
+            self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), t)
+            self.incremental += 1
+            return Selection(idx, val, val, ordered=False)
+        s = ops.scan(None, r, t, t)
+        self.scanned += 1
+        if s.nonfinite or t < TINY:
+            self.idx = None
+            return _empty(r, True) if s.nonfinite else _threshold_selection(ops, r, s)
+        self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), t)
+        return _threshold_selection(ops, r, s)
+
+    # ----------------------------------------------------------------- the list
+    def _cheap(self, n) -> bool:
+        """Would the list and this step's payloads cost less than a scan?"""
+        listed = 0 if self.idx is None else self.idx.size
+        return (listed + sum(i.size for i, _ in self.touched)) * SCAN_RATIO < n
+
+    def _newest_first(self):
+        return self.touched[::-1] + [(self.idx, self.val)]
+
+    def _marks(self, n):
+        if self.mark is None or self.mark.size != (n + 63) // 64:
+            self.mark = cpu.position_marks(n)
+        return self.mark
+
+    def _set(self, idx, val, bound) -> None:
+        self.idx, self.val, self.bound = idx, val, np.float32(bound)
+
+    def _keep(self, idx, val, bound, k) -> None:
+        """The unselected entries at or above ``bound``; past TRIM_FACTOR * k of them the
+        bound rises to the k-th largest magnitude (those dropped are below it)."""
+        if idx.size > TRIM_FACTOR * k + 1024:
+            mag = np.abs(val)
+            bound = max(np.float32(np.partition(mag, mag.size - k)[mag.size - k]), bound)
+            keep = mag >= bound
+            idx, val = idx[keep], val[keep]
+        self._set(idx, val, bound)
+
+
+def _threshold_selection(ops, r, s) -> Selection:
+    idx, val = ops.gather(None, r, s)
+    return Selection(idx, val, val, energy=s.energy)
