@@ -11,7 +11,9 @@ variant, then again) so slow drifts of the machine hit all of them alike; each r
 ``--steps`` steps after two warm-up steps and the row keeps the median over repeats.
 
 Sparse variants: ``topk`` is what a user gets by default (the time-based cost model may send
-buckets dense); ``topk_sparse`` (allgather), ``topk_sharded`` (``--collective sharded``) and
+buckets dense); ``topk_mpi4py`` is the same defaults on the mpi4py front end (``--transport
+mpi``: no Horovod, so no background loop waking every cycle); ``topk_sparse`` (allgather),
+``topk_sharded`` (``--collective sharded``) and
 the other methods run with ``--cost-model off``, so they show the sparse path itself. Their per-stage means (uplink select, encode, collective wait,
 decode, uplink commit, aggregate, downlink select, write, dense) are kept.
 
@@ -42,6 +44,8 @@ OPTIMIZERS = {
                     *OFF],
     "topk_sharded": ["--optimizer", "sparse", "--sparsifier", "topk", "--collective", "sharded",
                      *OFF],
+    # the mpi4py front end (hvd_sparse.mpi): the same engine with no Horovod background loop
+    "topk_mpi4py": ["--optimizer", "sparse", "--sparsifier", "topk", "--transport", "mpi"],
     "gaussiank": ["--optimizer", "sparse", "--sparsifier", "gaussiank", *OFF],
     "threshold": ["--optimizer", "sparse", "--sparsifier", "threshold", "--threshold", "6e-3",
                   *OFF],
@@ -90,7 +94,8 @@ def main():
         for rate in args.rates:
             for ranks in args.ranks:
                 names = [n for n in args.optimizers
-                         if n in ("floor", "dense", "topk", "topk_sparse", "topk_sharded")
+                         if n in ("floor", "dense", "topk", "topk_sparse", "topk_sharded",
+                                  "topk_mpi4py")
                          or ranks in args.methods_at]
                 got = {n: [] for n in names}
                 for rep in range(args.repeats):
@@ -117,7 +122,8 @@ def main():
                            "over_floor": step / floor_s if floor_s else None,
                            "speedup_vs_dense": dense_s / step if dense_s else None}
                     last = recs[-1]
-                    for key in ("bytes_sent_per_step", "dense_bytes_per_step", "stage_s_mean"):
+                    for key in ("bytes_sent_per_step", "dense_bytes_per_step", "stage_s_mean",
+                                "downlink_selections"):
                         if key in last:
                             row[key] = last[key]
                     if "cost_model" in last:

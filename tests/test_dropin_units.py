@@ -247,6 +247,28 @@ def test_default_nonfinite_policy_is_amp_compatible():
     assert opt.communication_stats()["nonfinite_steps"] == 1
 
 
+@pytest.mark.parametrize("policy", ["propagate", "skip"])
+def test_all_dense_step_with_nan(policy):
+    """Every bucket dense (nothing to roll back): under "propagate" p.grad is Horovod's result
+    with no extra read; under "skip" the NaN is still found and the step skipped."""
+    m = _net()
+    opt = _wrap(m, min_sparse_numel=10**9, nonfinite=policy)  # every bucket dense
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 32, generator=g), torch.randint(0, 3, (16,), generator=g)
+    x[0, 0] = float("inf")
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        F.cross_entropy(m(x), y).backward()
+        opt.synchronize()
+    finite = all(bool(torch.isfinite(p.grad).all()) for p in m.parameters())
+    stats = opt.communication_stats()
+    if policy == "propagate":
+        assert not finite and stats["nonfinite_steps"] == 0
+    else:
+        assert finite and stats["nonfinite_steps"] == 1 and stats["skipped_steps"] == 1
+
+
 @pytest.mark.parametrize("lam", [0.7, 0.1, 1 / 3, 2.0, 12345.678])
 def test_fused_threshold_takes_lambda_as_torch_does(lam):
     """An entry equal to float32(lam) is selected exactly when the torch definition selects it

@@ -531,8 +531,9 @@ class Engine:
                 self.launch(b)
         try:
             received, bad = {}, {}
+            check = self._dense_check_needed(write)
             for b in self.buckets:
-                received[b.index], bad_ranks = self._receive(b)
+                received[b.index], bad_ranks = self._receive(b, check)
                 if bad_ranks:
                     bad[b.name] = bad_ranks
             if bad:
@@ -560,9 +561,21 @@ class Engine:
             self._local_nonfinite = []
         self._end_step()
 
-    def _receive(self, b):
+    def _dense_check_needed(self, write) -> bool:
+        """Must dense results be read for NaN/Inf? Not when nothing can be rolled back and the
+        result goes to ``p.grad`` as it is: every bucket dense this step (no residual was
+        touched or flushed) under "propagate", which is then exactly Horovod's step; the check
+        would be one more read of every gradient."""
+        c = self.config
+        if c.nonfinite == "ignore":
+            return False
+        return (c.nonfinite != "propagate" or write != "grads" or bool(self._snapshots)
+                or any(j.kind in ("sparse", "sharded") for j in self.inflight.values()))
+
+    def _receive(self, b, check=True):
         """Wait for a bucket's exchange and decode it; returns (payloads or dense result,
-        received bytes), bad ranks. Nothing is written yet, so a flag can still cancel."""
+        received bytes), bad ranks. Nothing is written yet, so a flag can still cancel.
+        ``check``: read dense results for NaN/Inf (:meth:`_dense_check_needed`)."""
         c = self.config
         job = self.inflight[b.index]
         size = self.transport.size()
@@ -587,7 +600,7 @@ class Engine:
             else:
                 out = c.compression.decompress(received, job.ctx)
                 received_bytes = job.nbytes
-            bad = [-1] if c.nonfinite != "ignore" and not _all_finite(out) else []
+            bad = [-1] if check and not _all_finite(out) else []
         return (out, received_bytes), bad
 
     def _commit_uplink(self, b, write):
