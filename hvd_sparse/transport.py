@@ -269,6 +269,31 @@ def _cuda_aware_mpi() -> bool:
         return False
 
 
+def _beside_horovod(t: "MPITransport") -> "MPITransport":
+    """mpi4py collectives in a job where Horovod is initialised too (``transport="mpi"`` with
+    the Horovod front end: no Horovod background cycle per collective). They must see Horovod's
+    ranks (under ``horovodrun --gloo`` each process is an MPI world of its own), and when
+    Horovod's own thread calls MPI the library must allow calls from several threads; the
+    collectives then run on a duplicate of COMM_WORLD, apart from Horovod's."""
+    try:
+        import horovod.torch as hvd
+
+        if not hvd.is_initialized():
+            return t
+    except ImportError:
+        return t
+    if (t.size(), t.rank()) != (hvd.size(), hvd.rank()):
+        raise ValueError(
+            f"transport='mpi': mpi4py sees rank {t.rank()} of {t.size()} but Horovod rank "
+            f"{hvd.rank()} of {hvd.size()}; launch with mpirun (or horovodrun's MPI mode) or "
+            "use transport='horovod'")
+    if hvd.mpi_enabled() and not hvd.mpi_threads_supported():
+        raise ValueError("transport='mpi' beside Horovod's MPI controller needs an MPI "
+                         "initialised with MPI_THREAD_MULTIPLE; use transport='horovod'")
+    t.comm = t.comm.Dup()
+    return t
+
+
 def make_transport(spec=None, process_set=None) -> Transport:
     """The ``transport=`` keyword: an instance, ``"horovod"``, ``"mpi"``, ``"local"`` or ``None``.
 
@@ -307,7 +332,7 @@ def make_transport(spec=None, process_set=None) -> Transport:
     if process_set is not None:
         raise ValueError(f"process_set is a Horovod feature; transport={spec!r} does not take it")
     if spec == "mpi":
-        return MPITransport()
+        return _beside_horovod(MPITransport())
     if spec == "local":
         return LocalTransport()
     raise ValueError(f"transport={spec!r} is not one of 'horovod', 'mpi', 'local' or a Transport")

@@ -50,6 +50,20 @@ def test_watched_and_scanning_ranks_stay_identical(core):
     assert core[0]["watch_paths"]["incremental"] > 100  # 2 sparse buckets x 100 steps
 
 
+def test_mpi_transport_beside_horovod(core):
+    """transport="mpi" with the Horovod front end: trains identically under mpirun; under
+    horovodrun --gloo (each process its own MPI world) every rank refuses it clearly."""
+    if "hybrid_params_equal" not in core[0] and "hybrid_error" not in core[0]:
+        pytest.skip("the mpi4py front end itself: no Horovod beside it")
+    for r in core:
+        if "hybrid_error" in r:
+            assert "transport='horovod'" in r["hybrid_error"]
+        else:
+            assert r["hybrid_params_equal"] and r["hybrid_moved"] > 1e-3
+            assert r["hybrid_bytes"] > 0
+    assert len({"hybrid_error" in r for r in core}) == 1  # every rank alike
+
+
 def test_communication_stats_count_real_bytes(core):
     size = core[0]["size"]
     for r in core:

@@ -176,6 +176,28 @@ def scenario_watch_mixed(res):
     res["watch_paths"] = opt.communication_stats()["totals"]["downlink_selections"]
 
 
+def scenario_hybrid_transport(res):
+    """The Horovod front end with transport="mpi" (mpi4py collectives, no Horovod cycle): the
+    same training where mpi4py sees Horovod's ranks, a clear error where it cannot."""
+    if BACKEND != "horovod":
+        return
+    m = make_model(6)
+    try:
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=m.named_parameters(), cost_model="off", density=0.02,
+            min_sparse_numel=0, transport="mpi")
+    except ValueError as e:
+        res["hybrid_error"] = str(e)
+        return
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    start = flat_params(m).clone()
+    train(m, opt, 20)
+    res["hybrid_params_equal"] = all_equal_digest(flat_params(m))
+    res["hybrid_moved"] = float((flat_params(m) - start).abs().max())
+    res["hybrid_bytes"] = opt.communication_stats()["totals"]["bytes_sent"]
+
+
 EQUIVALENCE_CASES = {
     "bpps1": {},
     "bpps2": {"backward_passes_per_step": 2},
@@ -394,7 +416,8 @@ def scenario_time_cost_model(res):
 
 SCENARIOS = [scenario_bad_input, scenario_reference, scenario_bitwise, scenario_dense_equivalence,
              scenario_bpps_guards, scenario_missing_grad, scenario_checkpoint,
-             scenario_dense_fallback, scenario_time_cost_model, scenario_watch_mixed]
+             scenario_dense_fallback, scenario_time_cost_model, scenario_watch_mixed,
+             scenario_hybrid_transport]
 
 
 if __name__ == "__main__":
