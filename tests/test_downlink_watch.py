@@ -34,6 +34,10 @@ def step_both(rng, scanned, watched, watch, n, k, ranks, ties, method, fresh=Fal
         kk = k if rng.random() > 0.2 else int(rng.integers(1, 3 * k))
         a = select.topk(cpu, None, scanned, kk)
         b = select.topk(cpu, None, watched, kk, watch=watch)
+    elif method == "gaussiank":
+        a = select.gaussiank(cpu, None, scanned, k, k // 2, 2 * k, 3)
+        b = select.gaussiank(cpu, None, watched, k, k // 2, 2 * k, 3, watch=watch)
+        assert (a.passes, a.fallback) == (b.passes, b.fallback)
     else:
         a = select.threshold(cpu, None, scanned, 0.6)
         b = select.threshold(cpu, None, watched, 0.6, watch=watch)
@@ -46,7 +50,7 @@ def step_both(rng, scanned, watched, watch, n, k, ranks, ties, method, fresh=Fal
     assert torch.equal(scanned, watched)
 
 
-@pytest.mark.parametrize("method", ["topk", "threshold"])
+@pytest.mark.parametrize("method", ["topk", "threshold", "gaussiank"])
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("n,k,ranks", [(100_000, 1000, 2), (100_000, 500, 4), (5000, 50, 3),
                                        (20_000, 200, 1)])
@@ -56,9 +60,11 @@ def test_watch_selects_what_a_scan_selects(method, ties, n, k, ranks):
     watch = ResidualWatch()
     for s in range(40):
         step_both(rng, scanned, watched, watch, n, k, ranks, ties, method, fresh=s == 0)
-    if ranks > 1 and not ties:
+    if ranks > 1 and not ties and method != "gaussiank":
         # the check is not vacuous: most steps were served from the watched positions
         assert watch.incremental > 30
+    if method == "gaussiank" and ranks > 1:
+        assert watch.incremental > 0
 
 
 def test_watch_notices_writes_between_steps():
@@ -98,13 +104,13 @@ def test_watch_reports_nonfinite_and_forgets_the_list():
 
 
 def test_unused_watch_is_dropped():
-    """A method without a watched form (GaussianK) leaves the list untrusted afterwards."""
+    """A method that did not use the watch (SBC) leaves the list untrusted afterwards."""
     n = 10_000
     r = torch.zeros(n)
     watch = ResidualWatch()
     watch.begin(r, True)
     watch.scatter(cpu, r, torch.arange(0, n, 7), torch.randn(len(range(0, n, 7))), 1.0)
-    select.gaussiank(cpu, None, r, 50, 40, 60, 3)
+    select.sbc(cpu, None, r, 50)
     watch.end(r)
     assert watch.idx is None
 

@@ -288,6 +288,24 @@ if HAVE_NUMBA:
         return sel_idx, sel_val, rest_idx, rest_val
 
     @njit(cache=True)
+    def _outside(cidx, cval, sidx, mark):
+        for j in range(sidx.size):
+            x = sidx[j]
+            mark[x >> 6] |= np.uint64(1) << np.uint64(x & 63)
+        out_idx = np.empty(cidx.size, dtype=np.int64)
+        out_val = np.empty(cidx.size, dtype=np.float32)
+        p = 0
+        for i in range(cidx.size):
+            x = cidx[i]
+            if not (mark[x >> 6] & (np.uint64(1) << np.uint64(x & 63))):
+                out_idx[p] = x
+                out_val[p] = cval[i]
+                p += 1
+        for j in range(sidx.size):
+            mark[sidx[j] >> 6] = 0
+        return out_idx[:p], out_val[:p]
+
+    @njit(cache=True)
     def _without(cidx, cval, sidx):
         """The entries of (cidx, cval) whose index is not in ``sidx`` (all ascending, sidx a
         subset of cidx)."""
@@ -543,6 +561,13 @@ def pick_unordered(cidx, cval, k):
     """The Top-K of candidates in any order (ties by lowest index), in candidate order, and
     the candidates left: (indices, values, rest indices, rest values), numpy arrays."""
     return _pick_unordered(cidx, cval, k)
+
+
+def outside(cidx, cval, sidx, mark):
+    """Entries of unordered candidates (cidx, cval) whose index is not in ``sidx`` (a subset,
+    any order); ``mark`` (all zero) is left all zero."""
+    out_idx, out_val = _outside(cidx, cval, np.ascontiguousarray(sidx, dtype=np.int64), mark)
+    return out_idx, out_val
 
 
 def without(cidx, cval, sidx):

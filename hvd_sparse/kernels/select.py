@@ -239,9 +239,13 @@ def interpolated_threshold(seen, k: int) -> Optional[float]:
     return t if t > 0 and math.isfinite(t) else None
 
 
-def gaussiank(ops, g, r, k: int, lo: int, hi: int, max_passes: int) -> Selection:
+def gaussiank(ops, g, r, k: int, lo: int, hi: int, max_passes: int,
+              watch=None) -> Selection:
     """GaussianK: the threshold of a normal fit, corrected until the count is in [lo, hi];
-    past ``max_passes`` an exact Top-K among the candidates (too many) or overall (too few)."""
+    past ``max_passes`` an exact Top-K among the candidates (too many) or overall (too few).
+    ``watch``: as for :func:`topk`."""
+    if watch is not None and g is None:
+        return watch.run(ops, r, k, lambda o: gaussiank(o, None, r, k, lo, hi, max_passes))
     n = r.numel()
     if k >= n:
         return topk(ops, g, r, k)

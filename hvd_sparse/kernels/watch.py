@@ -130,6 +130,42 @@ class ResidualWatch:
         self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), t)
         return _threshold_selection(ops, r, s)
 
+    def run(self, ops, r: torch.Tensor, k: int, method) -> Selection:
+        """Any method written over the primitives (GaussianK) on the watched candidates:
+        ``method(ops)`` runs on :class:`_WatchedOps`, whose scans count among the candidates,
+        as long as every threshold it asks about is at or above the bound (then the counts are
+        exact); otherwise it runs again on ``ops`` with scans, and the list is refilled by the
+        next watched Top-K or threshold (or this method's next step, from empty)."""
+        self.used = True
+        n = r.numel()
+        if self.nonfinite:
+            self.idx = None
+            return _empty(r, True)
+        if self.idx is not None and self._cheap(n):
+            mark = self._marks(n)
+            cidx, cval = cpu.candidates(self._newest_first(), self.bound, mark)
+            try:
+                sel = method(_WatchedOps(ops, cidx, cval, self.bound))
+            except _NeedScan:
+                pass
+            else:
+                if not sel.nonfinite:
+                    self._keep(*cpu.outside(cidx, cval, sel.idx.numpy(), mark), self.bound, k)
+                    self.incremental += 1
+                    sel.ordered = False
+                    return sel
+        sel = method(ops)
+        self.scanned += 1
+        if sel.nonfinite or sel.fallback:
+            self.idx = None
+        else:  # everything at or above its last threshold was taken; the rest lies below
+            t = np.float32(np.abs(sel.values.numpy()).min()) if sel.idx.numel() else None
+            if t is None or t < TINY:
+                self.idx = None
+            else:
+                self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), t)
+        return sel
+
     # ----------------------------------------------------------------- the list
     def _cheap(self, n) -> bool:
         """Would the list and this step's payloads cost less than a scan?"""
@@ -156,6 +192,48 @@ class ResidualWatch:
             keep = mag >= bound
             idx, val = idx[keep], val[keep]
         self._set(idx, val, bound)
+
+
+class _NeedScan(Exception):
+    """A threshold below the bound: the candidates cannot answer, a scan must."""
+
+
+class _WatchedOps:
+    """The selection primitives over the watched candidates (all ``|v| >= bound``, every
+    other entry below it): scans count and collect among them, exact for thresholds at or above
+    the bound; anything else raises :class:`_NeedScan`. Candidates come in no order, so Top-K
+    among them breaks ties by index with :func:`cpu.pick_unordered`."""
+
+    def __init__(self, ops, cidx, cval, bound):
+        self.ops, self.cidx, self.cval, self.bound = ops, cidx, cval, bound
+        self.mag = np.abs(cval)
+
+    def sample(self, g, r, positions):
+        return self.ops.sample(None, r, positions)
+
+    def scan(self, g, r, t_hi, t_lo, expect=None):
+        t_hi, t_lo = np.float32(t_hi), np.float32(t_lo)
+        if min(t_hi, t_lo) < self.bound:
+            raise _NeedScan
+        take = (self.cval >= t_hi) | (self.cval <= -t_lo)
+        idx, val = torch.from_numpy(self.cidx[take]), torch.from_numpy(self.cval[take])
+        return cpu.Scan(int(idx.numel()), False, None, idx, val, True, None)
+
+    def gather(self, g, r, s):
+        return s.idx, s.values
+
+    def kth_magnitude(self, g, r, k):
+        raise _NeedScan
+
+    def pick_topk(self, cidx, cval, k, sign=0):
+        if sign:
+            raise _NeedScan
+        if k >= cval.numel():
+            return cidx, cval
+        if k <= 0:
+            return cidx[:0], cval[:0]
+        idx, val, _, _ = cpu.pick_unordered(cidx.numpy(), cval.numpy(), k)
+        return torch.from_numpy(idx), torch.from_numpy(val)
 
 
 def _threshold_selection(ops, r, s) -> Selection:

@@ -44,10 +44,11 @@ class GaussianK(Sparsifier):
         """The accepted count band for a target k."""
         return max(1, int(k / self.slack)), max(1, int(k * self.slack))
 
-    def _run(self, ops, grad, residual, density):
+    def _run(self, ops, grad, residual, density, watch=None):
         k = k_for_density(residual.numel(), density)
         lo, hi = self.bounds(k)
-        sel = fused_select.gaussiank(ops, grad, residual, k, lo, hi, self.max_passes)
+        sel = fused_select.gaussiank(ops, grad, residual, k, lo, hi, self.max_passes,
+                                     watch=watch)
         self.last_passes, self.last_fallback = sel.passes, sel.fallback
         return sel
 
@@ -55,7 +56,7 @@ class GaussianK(Sparsifier):
         return self._run(reference, None, acc, density).idx
 
     def fused(self, ops, grad, residual, density, ctx):
-        return self._run(ops, grad, residual, density)
+        return self._run(ops, grad, residual, density, ctx.watch)
 
     def __repr__(self):
         return f"GaussianK(slack={self.slack}, max_passes={self.max_passes})"
