@@ -132,6 +132,31 @@ if HAVE_NUMBA:
             energies[c] = e
 
     @njit(cache=True)
+    def _radix_kth(bits, k):
+        """The k-th largest of non-negative float bit patterns (they order like the values):
+        a histogram of the top 16 bits names its bin, one of the low 16 bits inside that bin
+        names it. Returns (its bits, how many entries equal to it the k largest take, how many
+        equal it)."""
+        hist = np.zeros(65536, dtype=np.int64)
+        for i in range(bits.size):
+            hist[bits[i] >> 16] += 1
+        above = 0
+        top = 65535
+        while above + hist[top] < k:
+            above += hist[top]
+            top -= 1
+        need = k - above  # how many to take from bin ``top``
+        hist[:] = 0
+        for i in range(bits.size):
+            if (bits[i] >> 16) == top:
+                hist[bits[i] & 0xFFFF] += 1
+        low = 65535
+        while hist[low] < need:
+            need -= hist[low]
+            low -= 1
+        return (np.uint32(top) << np.uint32(16)) | np.uint32(low), need, hist[low]
+
+    @njit(cache=True)
     def _pick(cidx, cval, k, sign):
         """The k candidates of largest ``|v|`` (sign 0) or ``sign * v`` (the other side
         scoring zero, never taken while k candidates score above it), ties by lowest index
@@ -151,25 +176,7 @@ if HAVE_NUMBA:
         elif sign < 0:
             for i in range(m):
                 bits[i] *= np.uint32(cval[i] < 0)
-        hist = np.zeros(65536, dtype=np.int64)
-        for i in range(m):
-            hist[bits[i] >> 16] += 1
-        above = 0
-        top = 65535
-        while above + hist[top] < k:
-            above += hist[top]
-            top -= 1
-        need = k - above  # how many to take from bin ``top``
-        hist[:] = 0
-        for i in range(m):
-            if (bits[i] >> 16) == top:
-                hist[bits[i] & 0xFFFF] += 1
-        low = 65535
-        while hist[low] < need:
-            need -= hist[low]
-            low -= 1
-        kth = (np.uint32(top) << np.uint32(16)) | np.uint32(low)
-        ties = need  # entries equal to the k-th magnitude that are taken, lowest index first
+        kth, ties, _ = _radix_kth(bits, k)  # ties: taken at the k-th magnitude, lowest first
         out_idx = np.empty(k, dtype=np.int64)
         out_val = np.empty(k, dtype=np.float32)
         pos = 0
@@ -243,25 +250,8 @@ if HAVE_NUMBA:
         candidate order."""
         m = cval.size
         bits = cval.view(np.uint32) & np.uint32(0x7FFFFFFF)
-        hist = np.zeros(65536, dtype=np.int64)
-        for i in range(m):
-            hist[bits[i] >> 16] += 1
-        above = 0
-        top = 65535
-        while above + hist[top] < k:
-            above += hist[top]
-            top -= 1
-        need = k - above
-        hist[:] = 0
-        for i in range(m):
-            if (bits[i] >> 16) == top:
-                hist[bits[i] & 0xFFFF] += 1
-        low = 65535
-        while hist[low] < need:
-            need -= hist[low]
-            low -= 1
-        kth = (np.uint32(top) << np.uint32(16)) | np.uint32(low)
-        tied = np.empty(hist[low], dtype=np.int64)  # entries at the k-th magnitude
+        kth, need, at_kth = _radix_kth(bits, k)
+        tied = np.empty(at_kth, dtype=np.int64)  # entries at the k-th magnitude
         t = 0
         for i in range(m):
             if bits[i] == kth:
