@@ -23,7 +23,8 @@ class SelectionContext:
     rank: int = 0
     direction: str = "up"  # "up": this rank's uplink; "down": replicated downlink
     # downlink on the CPU: the engine's list of the residual's positions that can be chosen
-    # (:class:`~hvd_sparse.kernels.watch.ResidualWatch`), for methods that can use it
+    # (:class:`~hvd_sparse.kernels.watch.ResidualWatch`), for methods that can use it; a method
+    # that hands it to a selection must return that selection unchanged (the list assumes it)
     watch: Optional[object] = field(default=None, compare=False, repr=False)
 
 
