@@ -41,7 +41,7 @@ class ResidualWatch:
     def __init__(self):
         self.buffer = None  # the residual tensor the list describes
         self.version = None
-        self.idx = None  # ascending int64 positions with |r| >= bound (None: unknown)
+        self.idx = None  # int64 positions, in no order, with |r| >= bound (None: unknown)
         self.val = None  # their values
         self.bound = None  # every other entry has |r| < bound
         self.mark = None  # an all-zero bit set over the positions, reused every step
@@ -207,7 +207,6 @@ class _WatchedOps:
 
     def __init__(self, ops, cidx, cval, bound):
         self.ops, self.cidx, self.cval, self.bound = ops, cidx, cval, bound
-        self.mag = np.abs(cval)
 
     def sample(self, g, r, positions):
         return self.ops.sample(None, r, positions)
