@@ -109,9 +109,9 @@ class Engine:
         self._watching = os.environ.get("HVD_SPARSE_DOWNLINK_WATCH", "on") != "off"
 
     # ----------------------------------------------------------------- small helpers
-    def _ctx(self, b, direction):
+    def _ctx(self, b, direction, watch=None):
         return SelectionContext(bucket=b.name, step=self.steps, rank=self.transport.rank(),
-                                direction=direction)
+                                direction=direction, watch=watch)
 
     def densities(self):
         c = self.config
@@ -672,8 +672,7 @@ class Engine:
         if c.bidirectional:
             residual = target
             _, down_density = self.densities()
-            ctx = SelectionContext(bucket=b.name, step=self.steps, rank=self.transport.rank(),
-                                   direction="down", watch=watch)
+            ctx = self._ctx(b, "down", watch)
             with self.clock.stage("downlink_select", b.index):
                 sel = c.downlink_sparsifier.fused(ops, None, residual, down_density, ctx)
                 if sel is not None and not sel.nonfinite:

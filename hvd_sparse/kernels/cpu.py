@@ -13,6 +13,10 @@ downlink where the residual already holds the aggregate; ``acc = g + r``):
   for the rare case where a sampled threshold aimed too high;
 * :func:`commit` - ``r += g`` and the selected positions set to what the wire could not carry.
 
+For the downlink watch (:mod:`.watch`): :func:`scatter_add` with ``read=True`` hands back the
+values it wrote, :func:`candidates` merges position lists through a bit set, and
+:func:`pick_unordered` and :func:`outside` select among candidates in any order.
+
 Nothing writes the residual before :func:`commit`, so a step that some rank has to skip (a
 NaN anywhere) leaves every residual exactly as it was. Fast math is on except for the NaN/Inf
 assumptions, which would remove the non-finite check. numba is optional: without it
@@ -279,6 +283,8 @@ if HAVE_NUMBA:
 
     @njit(cache=True)
     def _outside(cidx, cval, sidx, mark):
+        """The candidates whose index is not in ``sidx`` (any order), through marks in the bit
+        set ``mark``, which is left all zero."""
         for j in range(sidx.size):
             x = sidx[j]
             mark[x >> 6] |= np.uint64(1) << np.uint64(x & 63)
@@ -293,22 +299,6 @@ if HAVE_NUMBA:
                 p += 1
         for j in range(sidx.size):
             mark[sidx[j] >> 6] = 0
-        return out_idx[:p], out_val[:p]
-
-    @njit(cache=True)
-    def _without(cidx, cval, sidx):
-        """The entries of (cidx, cval) whose index is not in ``sidx`` (all ascending, sidx a
-        subset of cidx)."""
-        out_idx = np.empty(cidx.size - sidx.size, dtype=np.int64)
-        out_val = np.empty(cidx.size - sidx.size, dtype=np.float32)
-        j = p = 0
-        for i in range(cidx.size):
-            if j < sidx.size and sidx[j] == cidx[i]:
-                j += 1
-            else:
-                out_idx[p] = cidx[i]
-                out_val[p] = cval[i]
-                p += 1
         return out_idx[:p], out_val[:p]
 
     @njit(cache=True)
@@ -554,15 +544,10 @@ def pick_unordered(cidx, cval, k):
 
 
 def outside(cidx, cval, sidx, mark):
-    """Entries of unordered candidates (cidx, cval) whose index is not in ``sidx`` (a subset,
-    any order); ``mark`` (all zero) is left all zero."""
+    """Entries of candidates (cidx, cval), in any order, whose index is not in ``sidx`` (any
+    order); ``mark`` (all zero) is left all zero."""
     out_idx, out_val = _outside(cidx, cval, np.ascontiguousarray(sidx, dtype=np.int64), mark)
     return out_idx, out_val
-
-
-def without(cidx, cval, sidx):
-    """Entries of (cidx, cval) not indexed by ``sidx`` (ascending, a subset)."""
-    return _without(cidx, cval, np.ascontiguousarray(sidx, dtype=np.int64))
 
 
 def set_at(target, idx, vals) -> None:

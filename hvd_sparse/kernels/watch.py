@@ -104,8 +104,8 @@ class ResidualWatch:
         if sel.nonfinite or cidx is None or not cheap:
             self.idx = None
         else:
-            self._keep(*cpu.without(cidx.numpy(), cval.numpy(), sel.idx.numpy()),
-                       max(np.float32(t), TINY), k)
+            self._keep(*cpu.outside(cidx.numpy(), cval.numpy(), sel.idx.numpy(),
+                                    self._marks(n)), max(np.float32(t), TINY), k)
         return sel
 
     def threshold(self, ops, r: torch.Tensor, t) -> Selection:
