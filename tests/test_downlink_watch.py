@@ -137,3 +137,22 @@ def test_helpers():
                                                np.array([2, -2, 5, 2], dtype=np.float32), 2)
     assert sel.tolist() == [1, 7] and sval.tolist() == [-2, 5]  # ties by lowest index
     assert rest.tolist() == [4, 2] and rval.tolist() == [2, 2]
+
+
+def test_watch_does_not_keep_a_released_residual_alive():
+    """A bucket that goes dense drops its downlink residual; the watch must not hold it."""
+    import gc
+    import weakref
+
+    r = torch.zeros(100_000)
+    watch = ResidualWatch()
+    watch.begin(r, True)
+    watch.scatter(cpu, r, torch.arange(0, 100_000, 50), torch.randn(2000), 1.0)
+    sel = select.topk(cpu, None, r, 100, watch=watch)
+    select.commit(cpu, None, r, sel, sel.values)
+    watch.end(r)
+    assert watch.idx is not None  # the list is kept for the next step
+    ref = weakref.ref(r)
+    del r, sel
+    gc.collect()
+    assert ref() is None

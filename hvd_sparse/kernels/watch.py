@@ -20,6 +20,8 @@ step with :meth:`ResidualWatch.begin` and :meth:`ResidualWatch.end`.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -39,7 +41,8 @@ class ResidualWatch:
     backend. Counters ``incremental`` and ``scanned`` say how often each path served."""
 
     def __init__(self):
-        self.buffer = None  # the residual tensor the list describes
+        # the residual tensor the list describes, weakly: a bucket that goes dense releases it
+        self.buffer = None
         self.version = None
         self.idx = None  # int64 positions, in no order, with |r| >= bound (None: unknown)
         self.val = None  # their values
@@ -57,9 +60,10 @@ class ResidualWatch:
         it describes and was not written since (``fresh``: just allocated, all zeros)."""
         if fresh:
             self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), TINY)
-        elif self.buffer is not residual or residual._version != self.version:
+        elif self.buffer is None or self.buffer() is not residual \
+                or residual._version != self.version:
             self.idx = None
-        self.buffer = residual
+        self.buffer = weakref.ref(residual)
         self.touched = []
         self.nonfinite = False
         self.used = False
