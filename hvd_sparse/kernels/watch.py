@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import cpu
-from .select import TINY, Selection, _empty, topk_scanned
+from . import select
 
 #: the list is trimmed (the bound raised) when it grows past this many times k
 TRIM_FACTOR = 2
@@ -59,7 +59,7 @@ class ResidualWatch:
         """Before the payloads are scattered: keep the list only if ``residual`` is the tensor
         it describes and was not written since (``fresh``: just allocated, all zeros)."""
         if fresh:
-            self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), TINY)
+            self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), select.TINY)
         elif self.buffer is None or self.buffer() is not residual \
                 or residual._version != self.version:
             self.idx = None
@@ -87,12 +87,10 @@ class ResidualWatch:
         self.touched = []
 
     # ----------------------------------------------------------------- the methods' side
-    def topk(self, ops, r: torch.Tensor, k: int) -> Selection:
-        self.used = True
+    def topk(self, ops, r: torch.Tensor, k: int) -> select.Selection:
+        if self._start():
+            return select._empty(r, True)
         n = r.numel()
-        if self.nonfinite:
-            self.idx = None
-            return _empty(r, True)
         cheap = self._cheap(n)
         if self.idx is not None and 0 < k < n and cheap:
             mark = self._marks(n)
@@ -102,23 +100,21 @@ class ResidualWatch:
                 self._keep(rest_idx, rest_val, self.bound, k)
                 self.incremental += 1
                 val = torch.from_numpy(val)
-                return Selection(torch.from_numpy(idx), val, val, ordered=False)
-        sel, cidx, cval, t = topk_scanned(ops, None, r, k)
+                return select.Selection(torch.from_numpy(idx), val, val, ordered=False)
+        sel, cidx, cval, t = select.topk_scanned(ops, None, r, k)
         self.scanned += 1
         if sel.nonfinite or cidx is None or not cheap:
             self.idx = None
         else:
             self._keep(*cpu.outside(cidx.numpy(), cval.numpy(), sel.idx.numpy(),
-                                    self._marks(n)), max(np.float32(t), TINY), k)
+                                    self._marks(n)), max(np.float32(t), select.TINY), k)
         return sel
 
-    def threshold(self, ops, r: torch.Tensor, t) -> Selection:
-        self.used = True
+    def threshold(self, ops, r: torch.Tensor, t) -> select.Selection:
+        if self._start():
+            return select._empty(r, True)
         t = np.float32(t)
-        if self.nonfinite:
-            self.idx = None
-            return _empty(r, True)
-        if self.idx is not None and TINY <= self.bound <= t and self._cheap(r.numel()):
+        if self.idx is not None and select.TINY <= self.bound <= t and self._cheap(r.numel()):
             # every entry outside is below the bound, hence below t: only the list and the
             # touched positions can be selected
             mark = self._marks(r.numel())
@@ -126,26 +122,24 @@ class ResidualWatch:
                         cpu.candidates(self._newest_first(), t, mark))
             self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), t)
             self.incremental += 1
-            return Selection(idx, val, val, ordered=False)
-        s = ops.scan(None, r, t, t)
+            return select.Selection(idx, val, val, ordered=False)
+        sel = select.threshold(ops, None, r, t)
         self.scanned += 1
-        if s.nonfinite or t < TINY:
+        if sel.nonfinite or t < select.TINY:
             self.idx = None
-            return _empty(r, True) if s.nonfinite else _threshold_selection(ops, r, s)
-        self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), t)
-        return _threshold_selection(ops, r, s)
+        else:  # everything at or above t was taken: the rest lies below it
+            self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), t)
+        return sel
 
-    def run(self, ops, r: torch.Tensor, k: int, method) -> Selection:
+    def run(self, ops, r: torch.Tensor, k: int, method) -> select.Selection:
         """Any method written over the primitives (GaussianK) on the watched candidates:
         ``method(ops)`` runs on :class:`_WatchedOps`, whose scans count among the candidates,
         as long as every threshold it asks about is at or above the bound (then the counts are
         exact); otherwise it runs again on ``ops`` with scans, and the list is refilled by the
         next watched Top-K or threshold (or this method's next step, from empty)."""
-        self.used = True
+        if self._start():
+            return select._empty(r, True)
         n = r.numel()
-        if self.nonfinite:
-            self.idx = None
-            return _empty(r, True)
         if self.idx is not None and self._cheap(n):
             mark = self._marks(n)
             cidx, cval = cpu.candidates(self._newest_first(), self.bound, mark)
@@ -165,13 +159,21 @@ class ResidualWatch:
             self.idx = None
         else:  # everything at or above its last threshold was taken; the rest lies below
             t = np.float32(np.abs(sel.values.numpy()).min()) if sel.idx.numel() else None
-            if t is None or t < TINY:
+            if t is None or t < select.TINY:
                 self.idx = None
             else:
                 self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), t)
         return sel
 
     # ----------------------------------------------------------------- the list
+    def _start(self) -> bool:
+        """A method takes the watch; True when this step's payloads held NaN/Inf (then the
+        selection is empty, as a scan's would be, and the list is forgotten)."""
+        self.used = True
+        if self.nonfinite:
+            self.idx = None
+        return self.nonfinite
+
     def _cheap(self, n) -> bool:
         """Would the list and this step's payloads cost less than a scan?"""
         listed = 0 if self.idx is None else self.idx.size
@@ -238,8 +240,3 @@ class _WatchedOps:
             return cidx[:0], cval[:0]
         idx, val, _, _ = cpu.pick_unordered(cidx.numpy(), cval.numpy(), k)
         return torch.from_numpy(idx), torch.from_numpy(val)
-
-
-def _threshold_selection(ops, r, s) -> Selection:
-    idx, val = ops.gather(None, r, s)
-    return Selection(idx, val, val, energy=s.energy)
