@@ -139,6 +139,18 @@ def test_helpers():
     assert rest.tolist() == [4, 2] and rval.tolist() == [2, 2]
 
 
+@pytest.mark.parametrize("k,bound", [(3, 0.1), (3, 4.5), (1, 0.0)])
+def test_largest_trims_to_the_kth_magnitude_keeping_ties(k, bound):
+    idx = np.array([10, 3, 8, 1, 6, 4], dtype=np.int64)
+    val = np.array([2, -5, 3, -3, 1, 7], dtype=np.float32)
+    kept, kval, cut = cpu.largest(idx, val, k, bound)
+    kth = np.sort(np.abs(val))[::-1][k - 1]
+    want = max(np.float32(kth), np.float32(bound))
+    assert cut == want
+    mask = np.abs(val) >= want  # everything at or above the cut, ties included, in order
+    assert kept.tolist() == idx[mask].tolist() and kval.tolist() == val[mask].tolist()
+
+
 def test_watch_does_not_keep_a_released_residual_alive():
     """A bucket that goes dense drops its downlink residual; the watch must not hold it."""
     import gc

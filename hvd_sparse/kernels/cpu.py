@@ -302,6 +302,24 @@ if HAVE_NUMBA:
         return out_idx[:p], out_val[:p]
 
     @njit(cache=True)
+    def _largest(idx, val, k, bound):
+        """The entries with ``|v|`` at or above both ``bound`` and the k-th largest ``|v|``
+        (ties at it all kept), in their order, and that cut: radix select, one compaction."""
+        bits = val.view(np.uint32) & np.uint32(0x7FFFFFFF)
+        kth, _, _ = _radix_kth(bits, k)
+        cut = max(np.float32(bound), np.array([kth]).view(np.float32)[0])
+        cut_bits = np.array([cut]).view(np.uint32)[0]
+        out_idx = np.empty(idx.size, dtype=np.int64)
+        out_val = np.empty(idx.size, dtype=np.float32)
+        p = 0
+        for i in range(idx.size):
+            if bits[i] >= cut_bits:
+                out_idx[p] = idx[i]
+                out_val[p] = val[i]
+                p += 1
+        return out_idx[:p], out_val[:p], cut
+
+    @njit(cache=True)
     def _set_at(target, idx, vals):
         for j in range(idx.size):
             target[idx[j]] = vals[j]
@@ -548,6 +566,12 @@ def outside(cidx, cval, sidx, mark):
     order); ``mark`` (all zero) is left all zero."""
     out_idx, out_val = _outside(cidx, cval, np.ascontiguousarray(sidx, dtype=np.int64), mark)
     return out_idx, out_val
+
+
+def largest(idx, val, k, bound):
+    """Entries of (idx, val), in any order, with ``|v|`` at or above ``bound`` and among the
+    k largest (ties kept), with the resulting cut: (indices, values, cut)."""
+    return _largest(idx, val, k, np.float32(bound))
 
 
 def set_at(target, idx, vals) -> None:

@@ -194,10 +194,7 @@ class ResidualWatch:
         """The unselected entries at or above ``bound``; past TRIM_FACTOR * k of them the
         bound rises to the k-th largest magnitude (those dropped are below it)."""
         if idx.size > TRIM_FACTOR * k + 1024:
-            mag = np.abs(val)
-            bound = max(np.float32(np.partition(mag, mag.size - k)[mag.size - k]), bound)
-            keep = mag >= bound
-            idx, val = idx[keep], val[keep]
+            idx, val, bound = cpu.largest(idx, val, k, bound)
         self._set(idx, val, bound)
 
 
