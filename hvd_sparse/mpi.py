@@ -9,11 +9,12 @@ uses :class:`hvd_sparse.transport.MPITransport`. It never imports Horovod.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import torch
 
-from . import compat
+from . import compat, core_sharing
 from .compat import Adasum, Average, Compression, Sum  # noqa: F401
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
 from .checkpoint import ShardedStateWarning, merge_rank_states  # noqa: F401
@@ -23,8 +24,12 @@ _comm = None
 
 
 def init(comm=None):
-    """Start MPI (mpi4py does on import) and remember the communicator."""
+    """Start MPI (mpi4py does on import) and remember the communicator. Before MPI starts,
+    Open MPI is asked to yield while idle where this node has fewer cores than ranks
+    (:mod:`hvd_sparse.core_sharing`)."""
     global _comm
+    if "mpi4py.MPI" not in sys.modules:
+        core_sharing.prepare(waiting_threads=1)
     from mpi4py import MPI
 
     _comm = comm if comm is not None else MPI.COMM_WORLD
