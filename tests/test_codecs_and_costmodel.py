@@ -72,7 +72,8 @@ def test_time_cost_model_decides_from_the_agreed_figures(monkeypatch, fast):
         link = [0.05, 0.05 + 2 * mib4 / 1e8, 1e-4, 1e-4 + mib4 / 1e10]
     else:  # allreduce costs a second: sparse wins
         link = [1e-4, 1e-4 + 2 * mib4 / 1e10, 1.0, 1.0 + mib4 / 1e6]
-    monkeypatch.setattr(calibration, "measure_link", lambda transport, device: list(link))
+    monkeypatch.setattr(calibration, "measure_link",
+                        lambda transport, device, large_bytes: list(link))
     torch.manual_seed(0)
     m = torch.nn.Linear(100, 50)
     opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01),
@@ -93,3 +94,33 @@ def test_time_cost_model_decides_from_the_agreed_figures(monkeypatch, fast):
     assert {v["mode"] for v in saved.values()} == {want}
     if want == "dense":  # error feedback was flushed into the dense exchange and released
         assert all(v.uplink is None for v in opt.engine_state().values())
+
+
+@pytest.mark.parametrize("largest,expect_large", [(36 << 20, 16 << 20), (8 << 20, 8 << 20),
+                                                  (1 << 10, 4 << 20)])
+def test_calibration_grows_the_transfer_past_a_cycle_locked_latency(monkeypatch, largest,
+                                                                    expect_large):
+    """Collectives that start on a 5 ms cycle time back to back at a whole cycle until the
+    transfer outlasts it: the large size grows (up to the largest bucket) until its time
+    dominates, so the fitted bandwidth is the link's, not an unbounded one."""
+    from hvd_sparse import costmodel
+    from hvd_sparse.engine import calibration
+
+    cycle, rate = 5e-3, 1e9  # bytes per second, both collectives
+    sizes = []
+
+    def locked(transport, device, large_bytes):
+        sizes.append(large_bytes)
+        t = max(cycle, large_bytes / rate)
+        return [cycle, 2 * t, cycle, t]  # the allgather receives P = 2 copies
+
+    monkeypatch.setattr(calibration, "measure_link", locked)
+    times, large = calibration.agreed_link(_EchoTransport(), "cpu", largest)
+    assert large == expect_large and sizes[-1] == large and sizes[0] == 4 << 20
+    link = calibration.link_from(times, 2, large)
+    if large == 16 << 20:  # the transfer dominates: the bandwidth is the link's, near enough
+        assert 0.5 * rate < link.reduce_bandwidth_Bps < 2 * rate
+        assert costmodel.dense_time(36 << 20, 2, link) > 0.02  # not one cycle
+    else:  # stopped at the largest bucket: what that size costs is what the model sees
+        bucket = max(largest, 4 << 20)
+        assert costmodel.dense_time(bucket, 2, link) == pytest.approx(times[3], rel=1e-6)

@@ -4,6 +4,12 @@ The link is timed with the engine's own collectives (allgather of bytes, allredu
 at two sizes each; every rank then shares its figures and takes the element-wise maximum, so
 all ranks decide from the same numbers. Collectives are started in the same order with the same
 names on every rank, at the same step.
+
+The large size grows (x4, up to the largest bucket) until its transfer takes at least
+``DOMINATES`` times the small one. Below that the fixed cost hides the bandwidth: Horovod
+starts collectives on a cycle (5 ms in the training CLI), back-to-back timings lock onto it,
+and a 4 MiB allreduce on a fast link measured exactly one cycle, as did 64 bytes; the fit then
+read an unbounded bandwidth and priced a 36 MB dense bucket at 5 ms (loopback, 2 ranks).
 """
 from __future__ import annotations
 
@@ -27,11 +33,17 @@ def _timed(fn, reps):
     return best
 
 
-def measure_link(transport, device, reps: int = 3) -> list:
+#: the large transfer must take this many times the small one before the fit is trusted
+DOMINATES = 3.0
+#: the large size never grows past this (nor past the largest bucket)
+MAX_LARGE_BYTES = 64 << 20
+
+
+def measure_link(transport, device, large_bytes: int = LARGE_BYTES, reps: int = 3) -> list:
     """This rank's [gather small, gather large, reduce small, reduce large] seconds."""
     out = []
     for kind in ("gather", "reduce"):
-        for nbytes in (SMALL_BYTES, LARGE_BYTES):
+        for nbytes in (SMALL_BYTES, large_bytes):
             if kind == "gather":
                 buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
@@ -49,19 +61,33 @@ def measure_link(transport, device, reps: int = 3) -> list:
     return out
 
 
-def agree_max(transport, values) -> np.ndarray:
+def agreed_link(transport, device, largest_bucket_bytes: int):
+    """The agreed timings and the large size they were taken at: ``(times, large_bytes)``.
+    Every rank grows the size on the same agreed figures, so all stop together."""
+    cap = max(LARGE_BYTES, min(MAX_LARGE_BYTES, int(largest_bucket_bytes)))
+    large = LARGE_BYTES
+    while True:
+        times = agree_max(transport, measure_link(transport, device, large),
+                          f"hvd_sparse.calibrate.link.{large}")
+        g_small, g_large, r_small, r_large = times
+        if large >= cap or (g_large >= DOMINATES * g_small and r_large >= DOMINATES * r_small):
+            return times, large
+        large = min(cap, large * 4)
+
+
+def agree_max(transport, values, name: str = "hvd_sparse.calibrate.agree") -> np.ndarray:
     """The element-wise maximum over ranks of a list of floats."""
     local = torch.tensor(list(values), dtype=torch.float64)
     raw = local.view(torch.uint8)
-    got = transport.wait(transport.allgather_async(raw, "hvd_sparse.calibrate.agree")).cpu()
+    got = transport.wait(transport.allgather_async(raw, name)).cpu()
     table = got.view(torch.float64).view(transport.size(), len(values)).numpy()
     return table.max(axis=0)
 
 
-def link_from(times, world_size: int) -> costmodel.Link:
+def link_from(times, world_size: int, large_bytes: int = LARGE_BYTES) -> costmodel.Link:
     """Fit a :class:`~hvd_sparse.costmodel.Link` to the agreed timings."""
     g_small, g_large, r_small, r_large = times
     g_lat, g_bw = costmodel.fit_line(world_size * SMALL_BYTES, g_small,
-                                     world_size * LARGE_BYTES, g_large)
-    r_lat, r_bw = costmodel.fit_line(SMALL_BYTES, r_small, LARGE_BYTES, r_large)
+                                     world_size * large_bytes, g_large)
+    r_lat, r_bw = costmodel.fit_line(SMALL_BYTES, r_small, large_bytes, r_large)
     return costmodel.Link(g_lat, g_bw, r_lat, r_bw)

@@ -1188,13 +1188,14 @@ class Engine:
         size = self.transport.size()
         device = self.buckets[0].params[0].device if self.buckets else "cpu"
         sparse = [b for b in self.buckets if b.sparse]
-        local = calibration.measure_link(self.transport, device)
-        local += [self._measured.get(b.index, 0.0) for b in sparse]
+        times, large = calibration.agreed_link(
+            self.transport, device, max((b.nbytes for b in self.buckets), default=0))
+        self.link = calibration.link_from(times, size, large)
+        local = [self._measured.get(b.index, 0.0) for b in sparse]
         local += [float(self._wire_bytes.get(b.index, 0)) for b in sparse]
-        agreed = calibration.agree_max(self.transport, local)
-        self.link = calibration.link_from(agreed[:4], size)
-        compute = agreed[4:4 + len(sparse)]
-        gathered = agreed[4 + len(sparse):]
+        agreed = calibration.agree_max(self.transport, local) if local else []
+        compute = agreed[:len(sparse)]
+        gathered = agreed[len(sparse):]
         by = "gather" if (c.deterministic_dense and size > 2) else "reduce"
         ratio = c.downlink_density / c.density
         for b, cs, nbytes in zip(sparse, compute, gathered):
