@@ -190,6 +190,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         out["stage_seconds"] = dict(engine.clock.last)
         out["totals"]["stage_seconds"] = dict(engine.clock.totals)
         out["totals"]["downlink_selections"] = engine.downlink_paths()
+        out["totals"]["uplink_commits"] = dict(engine.commits)
         out["cost_model"] = engine.cost_report()
         out["exchange"] = "update" if engine.config.exchanges_updates else "gradient"
         return out

@@ -7,8 +7,9 @@
       collective allgather, named from the bucket; the residual is not written yet
     finish (from synchronize / step)
       wait, decode     P payloads in rank order; a NaN flag from any rank stops here, with
-                       every residual exactly as it was
-      commit uplink    residual = acc, minus what was sent (one pass)
+                       every residual exactly as it was (on CPU, the commit's pass is done
+                       meanwhile into a spare buffer while a collective is not complete)
+      commit uplink    residual = acc, minus what was sent (one pass, or a buffer swap)
       aggregate        payloads scattered, in rank order, straight into the downlink residual
       downlink select  one read-only scan of it, then the selected entries taken out
       write            p.grad = zero-fill + scatter of the selected entries
@@ -33,7 +34,7 @@ from ..dgc import clip_local, warmup_density
 from ..kernels import select as fused
 from ..sparsifiers import SelectionContext
 from ..stats import CommunicationStats
-from . import agreement, calibration, sharded
+from . import agreement, calibration, overlap, sharded
 from .config import EngineConfig
 from .stages import StageClock
 from ..feedback import Residual
@@ -87,6 +88,9 @@ class Engine:
         self.local_count = 0
         self.stats = CommunicationStats()
         self.clock = StageClock()
+        # fused uplink commits since the start: computed during collective waits ("ahead",
+        # see overlap.py) or by a pass after them ("in_place")
+        self.commits = {"ahead": 0, "in_place": 0}
         self.link: Optional[costmodel.Link] = None
         self.calibrated_at: Optional[int] = None
         self._measured: Dict[int, float] = {}  # per bucket: least sparse compute seen
@@ -505,7 +509,7 @@ class Engine:
             source = st.velocity.apply(flat) if st.velocity else flat
             flat = source + st.uplink.buffer.to(source.dtype) \
                 if st.uplink.buffer is not None else source.clone()
-            st.uplink.buffer = None
+            st.uplink.buffer = st.spare = None
             if st.velocity is not None:
                 st.velocity.velocity = None  # restarts from the gradient when sparse again
         wire_t, ctx = c.compression.compress(flat)
@@ -532,8 +536,9 @@ class Engine:
         try:
             received, bad = {}, {}
             check = self._dense_check_needed(write)
+            ahead = self._commit_ahead()
             for b in self.buckets:
-                received[b.index], bad_ranks = self._receive(b, check)
+                received[b.index], bad_ranks = self._receive(b, check, ahead)
                 if bad_ranks:
                     bad[b.name] = bad_ranks
             if bad:
@@ -541,7 +546,7 @@ class Engine:
             else:
                 served = []
                 for b in self.buckets:
-                    self._commit_uplink(b, write)
+                    self._commit_uplink(b, write, ahead)
                     if self.inflight[b.index].kind == "sharded":
                         self._serve_region(b, received[b.index])
                         served.append(b)
@@ -572,13 +577,34 @@ class Engine:
         return (c.nonfinite != "propagate" or write != "grads" or bool(self._snapshots)
                 or any(j.kind in ("sparse", "sharded") for j in self.inflight.values()))
 
-    def _receive(self, b, check=True):
+    def _commit_ahead(self) -> Optional[overlap.CommitAhead]:
+        """The uplink commits that can be computed during this step's waits: fused selections
+        on the numba backend (see :mod:`hvd_sparse.engine.overlap`)."""
+        if not overlap.enabled():
+            return None
+        ahead = overlap.CommitAhead()
+        for b in self.buckets:
+            job = self.inflight.get(b.index)
+            if job is None or job.commit is None:
+                continue
+            ops, flat, _, _ = job.commit
+            residual = self.state[b.index].uplink.buffer
+            if ops is kernels.cpu and flat is not None and residual is not None \
+                    and flat.dtype == residual.dtype == torch.float32 \
+                    and flat.device.type == "cpu":
+                ahead.add(b.index, self.state[b.index], flat, residual)
+        return ahead or None
+
+    def _receive(self, b, check=True, ahead=None):
         """Wait for a bucket's exchange and decode it; returns (payloads or dense result,
         received bytes), bad ranks. Nothing is written yet, so a flag can still cancel.
-        ``check``: read dense results for NaN/Inf (:meth:`_dense_check_needed`)."""
+        ``check``: read dense results for NaN/Inf (:meth:`_dense_check_needed`); ``ahead``:
+        commit work to do while the exchange is not complete."""
         c = self.config
         job = self.inflight[b.index]
         size = self.transport.size()
+        if ahead:
+            ahead.work(lambda: not self.transport.ready(job.handle), self.clock)
         with self.clock.stage("collective_wait"):
             received = self.transport.wait(job.handle)
         if job.kind in ("sparse", "sharded"):
@@ -603,12 +629,13 @@ class Engine:
             bad = [-1] if check and not _all_finite(out) else []
         return (out, received_bytes), bad
 
-    def _commit_uplink(self, b, write):
+    def _commit_uplink(self, b, write, ahead=None):
         job = self.inflight[b.index]
         if job.commit is not None:
             with self.clock.stage("uplink_commit", b.index):
                 ops, flat, sel, sent = job.commit
-                residual = self.state[b.index].uplink
+                st = self.state[b.index]
+                residual = st.uplink
                 # p.grad is about to be rewritten from zeros: zero it in this same pass when
                 # the flat gradient is p.grad itself
                 p = b.params[0]
@@ -616,7 +643,15 @@ class Engine:
                               and len(b.params) == 1 and id(p) not in job.sparse_grads
                               and p.grad is not None and flat.data_ptr() == p.grad.data_ptr()
                               and flat.numel() == p.grad.numel())
-                fused.commit(ops, flat, residual.buffer, sel, sent, zero_grad=job.zeroed)
+                acc = ahead.take(b.index) if ahead is not None else None
+                self.commits["in_place" if acc is None else "ahead"] += 1
+                if acc is None:
+                    fused.commit(ops, flat, residual.buffer, sel, sent, zero_grad=job.zeroed)
+                else:  # acc = grad + residual is ready: what was sent leaves it, then a swap
+                    fused.commit(ops, None, acc, sel, sent)
+                    st.spare, residual.buffer = residual.buffer, acc
+                    if job.zeroed:
+                        flat.zero_()
                 if self.config.track_error:
                     job.error = self._uplink_error(sel, sent)
                     if job.error is None:  # the backend's scan measured no energy

@@ -38,6 +38,9 @@ class BucketState:
     # the downlink residual's positions that can be selected next (exact re-selection
     # without a scan, numba backend); rebuilt by one scan whenever it cannot be trusted
     watch: ResidualWatch = field(default_factory=ResidualWatch)
+    # the uplink commit computed during collective waits lands here, then swaps with the
+    # residual (:mod:`hvd_sparse.engine.overlap`); not state: it holds nothing between steps
+    spare: Optional[torch.Tensor] = None
 
     @classmethod
     def for_bucket(cls, b, momentum_correction: float) -> "BucketState":

@@ -11,7 +11,9 @@ downlink where the residual already holds the aggregate; ``acc = g + r``):
   the room the caller expected);
 * :func:`kth_magnitude` - the exact k-th largest ``|acc|`` (radix histogram on the float bits),
   for the rare case where a sampled threshold aimed too high;
-* :func:`commit` - ``r += g`` and the selected positions set to what the wire could not carry.
+* :func:`commit` - ``r += g`` and the selected positions set to what the wire could not carry;
+  :func:`add_into` computes ``g + r`` into another buffer a piece at a time (the engine's
+  commit ahead, :mod:`hvd_sparse.engine.overlap`).
 
 For the downlink watch (:mod:`.watch`): :func:`scatter_add` with ``read=True`` hands back the
 values it wrote, :func:`candidates` merges position lists through a bit set, and
@@ -330,6 +332,11 @@ if HAVE_NUMBA:
             r[i] += g[i]
             g[i] = 0.0
 
+    @njit(fastmath=FASTMATH, cache=True)
+    def _add_into(g, r, out, lo, hi):
+        for i in range(lo, hi):
+            out[i] = g[i] + r[i]
+
     @njit(parallel=True, cache=True)
     def _add_zero_par(g, r, chunk):
         for c in prange((r.size + chunk - 1) // chunk):
@@ -503,6 +510,12 @@ def commit(g, r, idx, remainder, zero_grad=False) -> None:
         _set_at(_np(r), idx.numpy(), _np(remainder))
 
 
+def add_into(g, r, out, lo: int, hi: int) -> None:
+    """``out[lo:hi] = g[lo:hi] + r[lo:hi]`` on the calling thread (a piece of work small enough
+    to run between two tests of a collective)."""
+    _add_into(_np(g), _np(r), _np(out), lo, hi)
+
+
 def scatter_add(target, idx, vals, scale: float, read: bool = False):
     """``target[idx] += vals * scale`` (indices unique: the order of the writes does not
     matter); ``read``: also return the written entries' new values (a numpy array) and
@@ -614,5 +627,6 @@ def warm_up() -> None:
                 kth_magnitude(grad, r, 100)
         finally:
             torch.set_num_threads(old)
+    add_into(g, g, torch.empty_like(g), 0, 64)
     from .. import golomb
     golomb.decode(golomb.encode(np.array([1, 5, 90]), 3), 3, 3)

@@ -1,0 +1,88 @@
+"""The uplink commit, computed while this rank waits for its collectives (numba backend).
+
+Nothing is written after the uplink scan until every rank's payload has said "finite": a NaN
+anywhere must leave every residual as it was. On a CPU the rank then sits in
+``collective_wait`` and only afterwards makes its commit pass (``residual += grad``, a read
+of both and a write). Instead, while a collective it waits for is not complete, the engine
+computes ``acc = grad + residual`` into a spare buffer, a piece at a time between
+non-blocking tests of that collective. Once every verdict is in, the commit is the O(k)
+write of the selected positions and an exchange of buffers (the old residual becomes the next
+spare); a NaN verdict leaves the spare unused and the residual untouched. The bits are the
+in-place commit's (IEEE addition commutes). A bucket whose pass was not started in the wait
+is committed in place as before, and one that was started is completed first.
+
+The price is one spare buffer per sparse bucket that overlaps (allocated on first use) and,
+where ``p.grad`` must be zeroed for the downlink write, a separate fill after the verdict
+instead of zeroes written in the commit pass. ``HVD_SPARSE_COMMIT_AHEAD=off`` turns it off.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, List
+
+import torch
+
+from ..kernels import cpu
+
+#: entries per piece of work between two tests of a collective (about a millisecond)
+PIECE = 1 << 20
+
+
+def enabled() -> bool:
+    return os.environ.get("HVD_SPARSE_COMMIT_AHEAD", "on") != "off"
+
+
+class _Pending:
+    __slots__ = ("state", "grad", "residual", "done")
+
+    def __init__(self, state, grad, residual):
+        self.state, self.grad, self.residual, self.done = state, grad, residual, 0
+
+
+class CommitAhead:
+    """Pieces of the uplink commits of one step, done in the order the commits will come."""
+
+    def __init__(self):
+        self._order: List[int] = []
+        self._pending: Dict[int, _Pending] = {}
+
+    def add(self, index: int, state, grad: torch.Tensor, residual: torch.Tensor) -> None:
+        """Plan bucket ``index``: ``grad + residual`` into ``state.spare``."""
+        self._order.append(index)
+        self._pending[index] = _Pending(state, grad, residual)
+
+    def __bool__(self) -> bool:
+        return bool(self._order)
+
+    def work(self, busy: Callable[[], bool], clock) -> None:
+        """Pieces of work while ``busy()`` says the awaited collective is not complete; each
+        piece is timed as its bucket's ``uplink_commit`` (it is the same work, moved)."""
+        while self._order and busy():
+            index = self._order[0]
+            with clock.stage("uplink_commit", index):
+                if self._piece(self._pending[index]):
+                    self._order.pop(0)
+
+    def take(self, index: int):
+        """Bucket ``index``'s ``acc`` in its spare, completed; ``None`` if no piece was done
+        (then the caller commits in place)."""
+        p = self._pending.pop(index, None)
+        if index in self._order:
+            self._order.remove(index)
+        if p is None or p.done == 0:
+            return None
+        while not self._piece(p, p.residual.numel()):
+            pass
+        return p.state.spare
+
+    @staticmethod
+    def _piece(p: _Pending, size=None) -> bool:
+        n = p.residual.numel()
+        spare = p.state.spare
+        if spare is None or spare.numel() != n or spare.dtype != p.residual.dtype \
+                or spare.device != p.residual.device:
+            p.state.spare = spare = torch.empty_like(p.residual)
+        hi = min(n, p.done + (PIECE if size is None else size))
+        cpu.add_into(p.grad, p.residual, spare, p.done, hi)
+        p.done = hi
+        return hi == n
