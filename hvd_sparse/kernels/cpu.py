@@ -333,8 +333,8 @@ if HAVE_NUMBA:
             g[i] = 0.0
 
     @njit(fastmath=FASTMATH, cache=True)
-    def _add_into(g, r, out, lo, hi):
-        for i in range(lo, hi):
+    def _add_into(g, r, out):
+        for i in range(r.size):  # from 0: no negative-index checks, so it vectorises
             out[i] = g[i] + r[i]
 
     @njit(parallel=True, cache=True)
@@ -513,7 +513,7 @@ def commit(g, r, idx, remainder, zero_grad=False) -> None:
 def add_into(g, r, out, lo: int, hi: int) -> None:
     """``out[lo:hi] = g[lo:hi] + r[lo:hi]`` on the calling thread (a piece of work small enough
     to run between two tests of a collective)."""
-    _add_into(_np(g), _np(r), _np(out), lo, hi)
+    _add_into(_np(g)[lo:hi], _np(r)[lo:hi], _np(out)[lo:hi])
 
 
 def scatter_add(target, idx, vals, scale: float, read: bool = False):
