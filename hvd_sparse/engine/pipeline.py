@@ -12,7 +12,8 @@
       commit uplink    residual = acc, minus what was sent (one pass, or a buffer swap)
       aggregate        payloads scattered, in rank order, straight into the downlink residual
       downlink select  one read-only scan of it, then the selected entries taken out
-      write            p.grad = zero-fill + scatter of the selected entries
+      write            p.grad = zero-fill + scatter of the selected entries (without the
+                       downlink selection, the payloads are summed straight into p.grad)
 
 Front ends (the Horovod facade in :mod:`hvd_sparse.optimizer`, :mod:`hvd_sparse.mpi`) hand it
 ready buckets and call :meth:`Engine.finish`; they never touch its state directly.
@@ -639,10 +640,13 @@ class Engine:
                 # p.grad is about to be rewritten from zeros: zero it in this same pass when
                 # the flat gradient is p.grad itself
                 p = b.params[0]
-                job.zeroed = (write == "grads" and self.config.bidirectional
-                              and len(b.params) == 1 and id(p) not in job.sparse_grads
+                # (without the downlink selection the payloads are summed straight into it,
+                # which gives the bits of a sum in the accumulation dtype only in that dtype)
+                job.zeroed = (write == "grads" and len(b.params) == 1
+                              and id(p) not in job.sparse_grads
                               and p.grad is not None and flat.data_ptr() == p.grad.data_ptr()
-                              and flat.numel() == p.grad.numel())
+                              and flat.numel() == p.grad.numel()
+                              and (self.config.bidirectional or flat.dtype == st.downlink.dtype))
                 acc = ahead.take(b.index) if ahead is not None else None
                 self.commits["in_place" if acc is None else "ahead"] += 1
                 if acc is None:
@@ -695,6 +699,8 @@ class Engine:
                 target = st.downlink.ensure(torch.empty(0, device=device))
                 if self._watching and kernels.ops_for(target) is kernels.cpu:
                     watch = st.watch.begin(target, fresh)
+            elif job.zeroed:  # p.grad, zeroed by the uplink commit: the sum lands there
+                target = b.params[0].grad.view(-1)
             else:
                 target = st.flat_buffer(b.numel, st.downlink.dtype, device)
                 target.zero_()

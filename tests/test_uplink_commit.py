@@ -1,6 +1,8 @@
-"""The uplink commit computed during collective waits (hvd_sparse.engine.overlap): the same bits
+"""The uplink commit. Computed during collective waits (hvd_sparse.engine.overlap): the same bits
 as the pass after the waits, every residual as it was when another rank's payload says NaN,
-and a bucket whose work was cut short completed before use."""
+and a bucket whose work was cut short completed before use. Zeroing p.grad in its pass lets
+the aggregate of a unidirectional exchange be summed straight into p.grad: the same bits as
+the sum in a separate buffer."""
 import re
 
 import pytest
@@ -78,7 +80,8 @@ def _bits(model, opt):
 
 
 def _same(a, b):
-    return all(torch.equal(x, y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+    return all(x is y is None or (x is not None and y is not None and torch.equal(x, y))
+               for xs, ys in zip(a, b) for x, y in zip(xs, ys))
 
 
 @pytest.fixture
@@ -131,3 +134,36 @@ def test_a_nan_from_another_rank_leaves_every_residual_as_it_was(mode, in_place)
     assert opt.communication_stats()["totals"]["uplink_commits"]["ahead"] == \
         len(opt.engine_state()) * 5
 
+
+
+
+@pytest.mark.parametrize("ahead", ["on", "off"])
+def test_unidirectional_sum_lands_in_p_grad_exactly(monkeypatch, ahead):
+    """Two ranks sending the same bytes: the average is what was sent, so p.grad plus the
+    uplink residual left must be exactly grad plus the residual before (one of the two is
+    zero at every position)."""
+    monkeypatch.setenv("HVD_SPARSE_COMMIT_AHEAD", ahead)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.ReLU(), torch.nn.Linear(300, 9))
+    names = [n for n, _ in model.named_parameters()]
+    opt = hvd_sparse.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(), density=0.05, min_sparse_numel=0,
+        cost_model="off", collective="allgather", check_config=False, bidirectional=False,
+        transport=_SlowPeer(5))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(16, 40, generator=gen)).pow(2).mean().backward()
+        raw = {n: p.grad.reshape(-1).clone() for n, p in model.named_parameters()}
+        before = {k: v.uplink for k, v in opt.engine_state().items()}
+        opt.synchronize()
+        after = {k: v.uplink for k, v in opt.engine_state().items()}
+        for n, p in model.named_parameters():
+            got = p.grad.reshape(-1)
+            assert not bool(((got != 0) & (after[n] != 0)).any())
+            assert torch.equal(got + after[n], raw[n] + before[n]), n
+            assert bool(got.any())
+        with opt.skip_synchronize():
+            opt.step()
+    assert set(names) == set(after)
