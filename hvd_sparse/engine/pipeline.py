@@ -997,10 +997,10 @@ class Engine:
     def _write_sparse(self, b, idx, values, sparse_ids, write, ops, zeroed):
         """``p.grad`` = zeros with the selected entries (no intermediate dense vector);
         ``zeroed``: the uplink commit already zeroed it in its pass."""
-        if write == "delta":
-            update = torch.zeros(b.numel, dtype=values.dtype, device=values.device)
-            update[idx] = values
-            return self._write_delta(b, update)
+        if write == "delta":  # anchor += the selected change (O(k)), then params = anchor
+            anchor = self.state[b.index].anchor
+            ops.scatter_add(anchor, idx, values.to(anchor.dtype), 1.0)
+            return self._restore_anchor(b)
         single = len(b.params) == 1
         for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
             if single:
