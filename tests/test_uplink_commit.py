@@ -51,12 +51,14 @@ class _SlowPeer(LocalTransport):
         return handle[0]
 
 
-def _run(steps, polls, nan_at=(), ahead=True, **kw):
+def _run(steps, polls, nan_at=(), adam=False, **kw):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.ReLU(), torch.nn.Linear(300, 9))
     transport = _SlowPeer(polls)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3) if adam else \
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt = hvd_sparse.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        inner,
         named_parameters=model.named_parameters(), density=0.05, min_sparse_numel=0,
         cost_model="off", collective="allgather", check_config=False, transport=transport, **kw)
     buckets = len(opt.engine_state())
@@ -95,9 +97,14 @@ def in_place(monkeypatch):
     return run
 
 
-def test_commits_ahead_give_the_bits_of_the_pass_after_the_wait(in_place):
-    model, opt, _ = _run(12, polls=50)
-    ref_model, ref_opt, _ = in_place(12, polls=50)
+@pytest.mark.parametrize("adam", [False, True], ids=["sgd-gradients", "adamw-updates"])
+@pytest.mark.parametrize("scope", ["tensor", "model"])
+def test_commits_ahead_give_the_bits_of_the_pass_after_the_wait(in_place, scope, adam):
+    # scope="model": one multi-parameter bucket, whose concatenated gradient takes acc itself;
+    # AdamW exchanges weight changes, held in the engine's own buffer too
+    model, opt, _ = _run(12, polls=50, scope=scope, adam=adam)
+    ref_model, ref_opt, _ = in_place(12, polls=50, scope=scope, adam=adam)
+    assert opt.communication_stats()["exchange"] == ("update" if adam else "gradient")
     commits = opt.communication_stats()["totals"]["uplink_commits"]
     assert commits["ahead"] == len(opt.engine_state()) * 12 and commits["in_place"] == 0
     assert ref_opt.communication_stats()["totals"]["uplink_commits"]["ahead"] == 0

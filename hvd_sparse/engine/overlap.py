@@ -11,9 +11,12 @@ spare); a NaN verdict leaves the spare unused and the residual untouched. The bi
 in-place commit's (IEEE addition commutes). A bucket whose pass was not started in the wait
 is committed in place as before, and one that was started is completed first.
 
-The price is one spare buffer per sparse bucket that overlaps (allocated on first use) and,
-where ``p.grad`` must be zeroed for the downlink write, a separate fill after the verdict
-instead of zeroes written in the commit pass. ``HVD_SPARSE_COMMIT_AHEAD=off`` turns it off.
+Where the gradient was already copied into a buffer of the engine's own (a multi-parameter
+bucket's concatenation, or the weight change of ``exchange="update"``), ``acc`` is written
+there and that buffer swaps with the residual: no extra memory. A one-parameter bucket whose
+gradient is ``p.grad`` itself costs one spare buffer (allocated on first use) and, where
+``p.grad`` must be zeroed for the downlink write, a separate fill after the verdict instead of
+zeroes written in the commit pass. ``HVD_SPARSE_COMMIT_AHEAD=off`` turns it off.
 """
 from __future__ import annotations
 
@@ -33,10 +36,11 @@ def enabled() -> bool:
 
 
 class _Pending:
-    __slots__ = ("state", "grad", "residual", "done")
+    __slots__ = ("state", "grad", "residual", "in_place", "done")
 
-    def __init__(self, state, grad, residual):
-        self.state, self.grad, self.residual, self.done = state, grad, residual, 0
+    def __init__(self, state, grad, residual, in_place):
+        self.state, self.grad, self.residual = state, grad, residual
+        self.in_place, self.done = in_place, 0
 
 
 class CommitAhead:
@@ -46,10 +50,13 @@ class CommitAhead:
         self._order: List[int] = []
         self._pending: Dict[int, _Pending] = {}
 
-    def add(self, index: int, state, grad: torch.Tensor, residual: torch.Tensor) -> None:
-        """Plan bucket ``index``: ``grad + residual`` into ``state.spare``."""
+    def add(self, index: int, state, grad: torch.Tensor, residual: torch.Tensor,
+            in_place: bool = False) -> None:
+        """Plan bucket ``index``: ``grad + residual`` into ``state.spare``, or into ``grad``
+        itself when ``in_place`` (a buffer of the engine's own that nothing reads again, such
+        as a multi-parameter bucket's concatenated gradient or a weight change)."""
         self._order.append(index)
-        self._pending[index] = _Pending(state, grad, residual)
+        self._pending[index] = _Pending(state, grad, residual, in_place)
 
     def __bool__(self) -> bool:
         return bool(self._order)
@@ -73,16 +80,16 @@ class CommitAhead:
             return None
         while not self._piece(p, p.residual.numel()):
             pass
-        return p.state.spare
+        return p.grad if p.in_place else p.state.spare
 
     @staticmethod
     def _piece(p: _Pending, size=None) -> bool:
         n = p.residual.numel()
-        spare = p.state.spare
-        if spare is None or spare.numel() != n or spare.dtype != p.residual.dtype \
-                or spare.device != p.residual.device:
-            p.state.spare = spare = torch.empty_like(p.residual)
+        out = p.grad if p.in_place else p.state.spare
+        if out is None or out.numel() != n or out.dtype != p.residual.dtype \
+                or out.device != p.residual.device:
+            p.state.spare = out = torch.empty_like(p.residual)
         hi = min(n, p.done + (PIECE if size is None else size))
-        cpu.add_into(p.grad, p.residual, spare, p.done, hi)
+        cpu.add_into(p.grad, p.residual, out, p.done, hi)
         p.done = hi
         return hi == n

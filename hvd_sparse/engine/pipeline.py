@@ -590,10 +590,12 @@ class Engine:
                 continue
             ops, flat, _, _ = job.commit
             residual = self.state[b.index].uplink.buffer
+            st = self.state[b.index]
             if ops is kernels.cpu and flat is not None and residual is not None \
                     and flat.dtype == residual.dtype == torch.float32 \
                     and flat.device.type == "cpu":
-                ahead.add(b.index, self.state[b.index], flat, residual)
+                # the engine's own copy (concatenated gradient, weight change) takes acc
+                ahead.add(b.index, st, flat, residual, in_place=flat is st.scratch)
         return ahead or None
 
     def _receive(self, b, check=True, ahead=None):
@@ -653,7 +655,10 @@ class Engine:
                     fused.commit(ops, flat, residual.buffer, sel, sent, zero_grad=job.zeroed)
                 else:  # acc = grad + residual is ready: what was sent leaves it, then a swap
                     fused.commit(ops, None, acc, sel, sent)
-                    st.spare, residual.buffer = residual.buffer, acc
+                    if acc is st.scratch:
+                        st.scratch, residual.buffer = residual.buffer, acc
+                    else:
+                        st.spare, residual.buffer = residual.buffer, acc
                     if job.zeroed:
                         flat.zero_()
                 if self.config.track_error:
