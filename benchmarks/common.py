@@ -20,9 +20,16 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads()}
     try:
         with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+            lines = f.read().splitlines()
+        info["cpu"] = next(l.split(":", 1)[1].strip() for l in lines if l.startswith("model name"))
+        mhz = [l.split(":", 1)[1].strip() for l in lines if l.startswith("cpu MHz")]
+        if mhz:
+            info["cpu_mhz"] = float(mhz[0])
     except (OSError, StopIteration):
         pass
+    # machines that print the same CPU name have differed 2-3x in speed here: the date tells
+    # which session's machine a figure came from
+    info["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -51,13 +52,20 @@ OPTIMIZERS = {
                   *OFF],
     "adaptive": ["--optimizer", "sparse", "--sparsifier", "adaptive", *OFF],
     "sbc": ["--optimizer", "sparse", "--sparsifier", "sbc", *OFF],
+    # the default with the uplink commit made after the waits instead of during them
+    "topk_commit_in_place": ["--optimizer", "sparse", "--sparsifier", "topk"],
 }
+#: environment a configuration runs under, beside the launcher's
+ENV = {"topk_commit_in_place": {"HVD_SPARSE_COMMIT_AHEAD": "off"}}
+PER_RANK_COUNT = ("floor", "dense", "topk", "topk_sparse", "topk_sharded", "topk_mpi4py",
+                  "topk_commit_in_place")
 
 
-def run(cmd, timeout):
+def run(cmd, timeout, env=None):
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
         proc = subprocess.run(cmd + ["--metrics", f.name], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT)
+                              timeout=timeout, cwd=ROOT,
+                              env={**os.environ, **env} if env else None)
         lines = Path(f.name).read_text().splitlines()
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -84,8 +92,10 @@ def main():
                         "measures again (same model, rate, ranks, density and optimizer)")
     args = p.parse_args()
     rows = []
+    here = machine()
     if args.merge and (RESULTS / "network.json").exists():
-        old = json.loads((RESULTS / "network.json").read_text())["rows"]
+        saved = json.loads((RESULTS / "network.json").read_text())
+        old = [{"machine": saved.get("machine"), **r} for r in saved["rows"]]
         rows = [r for r in old if not (r["model"] in args.models and r["rate"] in args.rates
                                        and r["ranks"] in args.ranks
                                        and r.get("density") == float(args.density)
@@ -94,9 +104,7 @@ def main():
         for rate in args.rates:
             for ranks in args.ranks:
                 names = [n for n in args.optimizers
-                         if n in ("floor", "dense", "topk", "topk_sparse", "topk_sharded",
-                                  "topk_mpi4py")
-                         or ranks in args.methods_at]
+                         if n in PER_RANK_COUNT or ranks in args.methods_at]
                 got = {n: [] for n in names}
                 for rep in range(args.repeats):
                     for name in names:
@@ -104,7 +112,7 @@ def main():
                                "-m", "hvd_sparse.train", "--model", model, "--density",
                                args.density, "--benchmark-steps", str(args.steps),
                                *OPTIMIZERS[name]]
-                        rec = run(cmd, 1200)
+                        rec = run(cmd, 1200, ENV.get(name))
                         got[name].append(rec)
                         print(f"{model} {rate:6} np={ranks} rep {rep} {name:12} "
                               f"{rec['step_s_median'] * 1e3:8.1f} ms", flush=True)
@@ -114,7 +122,8 @@ def main():
                     if "dense" in got else None
                 for name, recs in got.items():
                     step = statistics.median(r["step_s_median"] for r in recs)
-                    row = {"model": model, "optimizer": name, "rate": rate, "ranks": ranks,
+                    row = {"machine": here, "model": model, "optimizer": name, "rate": rate,
+                           "ranks": ranks,
                            "density": float(args.density), "step_s": step,
                            "step_s_repeats": [r["step_s_median"] for r in recs],
                            "timed_steps": args.steps,
@@ -135,7 +144,7 @@ def main():
                             for name, b in last["cost_model"]["buckets"].items()}
                         row["buckets_sparse_capable"] = len(last["cost_model"]["buckets"])
                     rows.append(row)
-    save("network", {"machine": machine(), "steps": args.steps, "repeats": args.repeats,
+    save("network", {"machine": here, "steps": args.steps, "repeats": args.repeats,
                      "rows": rows,
                      "note": "all ranks on one 2-core machine; the shaped loopback is shared by "
                              "every rank's traffic; the floor runs the same number of ranks at "
