@@ -86,6 +86,11 @@ def _same(a, b):
                for xs, ys in zip(a, b) for x, y in zip(xs, ys))
 
 
+@pytest.fixture(autouse=True)
+def ahead_on(monkeypatch):
+    monkeypatch.setenv("HVD_SPARSE_COMMIT_AHEAD", "on")
+
+
 @pytest.fixture
 def in_place(monkeypatch):
     def run(*args, **kw):
@@ -93,8 +98,24 @@ def in_place(monkeypatch):
         try:
             return _run(*args, **kw)
         finally:
-            monkeypatch.delenv("HVD_SPARSE_COMMIT_AHEAD")
+            monkeypatch.setenv("HVD_SPARSE_COMMIT_AHEAD", "on")
     return run
+
+
+@pytest.mark.parametrize("ranks_here, cores, want", [
+    (None, 2, True),  # one process on two cores
+    ("2", 2, False),  # the development machine: one core per rank
+    ("4", 16, True), ("8", 8, False), ("1", 1, False)])
+def test_auto_commits_ahead_only_with_a_core_to_spare(monkeypatch, ranks_here, cores, want):
+    from hvd_sparse import core_sharing
+
+    monkeypatch.setattr(core_sharing, "node_cores", lambda root="/sys/fs/cgroup": cores)
+    monkeypatch.setattr(core_sharing.os, "sched_getaffinity", lambda pid: set(range(cores)),
+                        raising=False)
+    env = {} if ranks_here is None else {"OMPI_COMM_WORLD_LOCAL_SIZE": ranks_here}
+    assert overlap.enabled(env) is want
+    assert overlap.enabled({**env, "HVD_SPARSE_COMMIT_AHEAD": "on"}) is True
+    assert overlap.enabled({**env, "HVD_SPARSE_COMMIT_AHEAD": "off"}) is False
 
 
 @pytest.mark.parametrize("adam", [False, True], ids=["sgd-gradients", "adamw-updates"])

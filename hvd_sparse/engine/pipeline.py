@@ -92,6 +92,7 @@ class Engine:
         # fused uplink commits since the start: computed during collective waits ("ahead",
         # see overlap.py) or by a pass after them ("in_place")
         self.commits = {"ahead": 0, "in_place": 0}
+        self._commits_ahead = overlap.enabled()  # decided once: cores and environment
         self.link: Optional[costmodel.Link] = None
         self.calibrated_at: Optional[int] = None
         self._measured: Dict[int, float] = {}  # per bucket: least sparse compute seen
@@ -581,7 +582,7 @@ class Engine:
     def _commit_ahead(self) -> Optional[overlap.CommitAhead]:
         """The uplink commits that can be computed during this step's waits: fused selections
         on the numba backend (see :mod:`hvd_sparse.engine.overlap`)."""
-        if not overlap.enabled():
+        if not self._commits_ahead:
             return None
         ahead = overlap.CommitAhead()
         for b in self.buckets:
