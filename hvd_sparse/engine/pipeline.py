@@ -590,8 +590,8 @@ class Engine:
             if job is None or job.commit is None:
                 continue
             ops, flat, _, _ = job.commit
-            residual = self.state[b.index].uplink.buffer
             st = self.state[b.index]
+            residual = st.uplink.buffer
             if ops is kernels.cpu and flat is not None and residual is not None \
                     and flat.dtype == residual.dtype == torch.float32 \
                     and flat.device.type == "cpu":
