@@ -39,7 +39,7 @@ class BucketState:
     # without a scan, numba backend); rebuilt by one scan whenever it cannot be trusted
     watch: ResidualWatch = field(default_factory=ResidualWatch)
     # the uplink commit computed during collective waits lands here, then swaps with the
-    # residual (:mod:`hvd_sparse.engine.overlap`); not state: it holds nothing between steps
+    # residual (:mod:`hvd_sparse.engine.overlap`); not state: no information between steps
     spare: Optional[torch.Tensor] = None
 
     @classmethod
