@@ -52,13 +52,14 @@ OPTIMIZERS = {
                   *OFF],
     "adaptive": ["--optimizer", "sparse", "--sparsifier", "adaptive", *OFF],
     "sbc": ["--optimizer", "sparse", "--sparsifier", "sbc", *OFF],
-    # the default with the uplink commit made after the waits instead of during them
-    "topk_commit_in_place": ["--optimizer", "sparse", "--sparsifier", "topk"],
+    # the default with acc left to a commit pass after the collective instead of written by
+    # the uplink's scan (HVD_SPARSE_ACC_IN_SCAN=off)
+    "topk_commit_pass": ["--optimizer", "sparse", "--sparsifier", "topk"],
 }
 #: environment a configuration runs under, beside the launcher's
-ENV = {"topk_commit_in_place": {"HVD_SPARSE_COMMIT_AHEAD": "off"}}
+ENV = {"topk_commit_pass": {"HVD_SPARSE_ACC_IN_SCAN": "off"}}
 PER_RANK_COUNT = ("floor", "dense", "topk", "topk_sparse", "topk_sharded", "topk_mpi4py",
-                  "topk_commit_in_place")
+                  "topk_commit_pass")
 
 
 def run(cmd, timeout, env=None):

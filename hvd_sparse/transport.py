@@ -44,11 +44,6 @@ class Transport:
     def wait(self, handle) -> torch.Tensor:
         raise NotImplementedError
 
-    def ready(self, handle) -> bool:
-        """Whether :meth:`wait` would return at once (a non-blocking test). ``True`` where a
-        back end cannot tell, so callers never hold work back waiting for an answer."""
-        return True
-
 
 class HorovodTransport(Transport):
     """Horovod's asynchronous collectives; names match across ranks, so launch order may differ."""
@@ -87,11 +82,6 @@ class HorovodTransport(Transport):
             output, _received_splits = self._hvd.synchronize(handle[1])
             return output
         return self._hvd.synchronize(handle)
-
-    def ready(self, handle):
-        if isinstance(handle, tuple) and handle[0] == "alltoall":
-            handle = handle[1]
-        return bool(self._hvd.poll(handle))
 
 
 class LocalTransport(Transport):
@@ -217,10 +207,6 @@ class MPITransport(Transport):
         req = self.comm.Iallreduce([bufs[0], mpi_type], [bufs[1], mpi_type], op=MPI.SUM)
         scale = postscale / self.size() if average else postscale
         return ("reduce", req, out, (work, scale), wire_dtype, tensor.device)
-
-    def ready(self, handle):
-        """``Test`` on the request: it also drives MPI's progress while the caller works."""
-        return bool(handle[1].Test())
 
     def wait(self, handle):
         """Complete a collective; returns the gathered bytes (as the payload's dtype) or the sum."""

@@ -2,14 +2,15 @@
 
     uplink (when a bucket's gradients are ready)
       gradient   read p.grad where it lies (a flat buffer only for multi-parameter buckets)
-      select     one read-only scan of acc = grad + residual: candidates, NaN/Inf, energy
+      select     one scan of acc = grad + residual: candidates, NaN/Inf, energy; on CPU it
+                 also writes acc into a buffer of its own (the residual is not written)
       encode     header | indices | values, one payload per bucket
       collective allgather, named from the bucket; the residual is not written yet
     finish (from synchronize / step)
       wait, decode     P payloads in rank order; a NaN flag from any rank stops here, with
-                       every residual exactly as it was (on CPU, the commit's pass is done
-                       meanwhile into a spare buffer while a collective is not complete)
-      commit uplink    residual = acc, minus what was sent (one pass, or a buffer swap)
+                       every residual exactly as it was
+      commit uplink    residual = acc, minus what was sent (on CPU an O(k) write and a buffer
+                       swap, else one pass)
       aggregate        payloads scattered, in rank order, straight into the downlink residual
       downlink select  one read-only scan of it, then the selected entries taken out
       write            p.grad = zero-fill + scatter of the selected entries (without the
@@ -32,10 +33,10 @@ import torch
 from .. import aggregation, checkpoint, costmodel, kernels, safety, wire
 from ..compat import Compression
 from ..dgc import clip_local, warmup_density
-from ..kernels import select as fused
+from ..kernels import cpu, select as fused
 from ..sparsifiers import SelectionContext
 from ..stats import CommunicationStats
-from . import agreement, calibration, overlap, sharded
+from . import agreement, calibration, sharded
 from .config import EngineConfig
 from .stages import StageClock
 from ..feedback import Residual
@@ -89,10 +90,12 @@ class Engine:
         self.local_count = 0
         self.stats = CommunicationStats()
         self.clock = StageClock()
-        # fused uplink commits since the start: computed during collective waits ("ahead",
-        # see overlap.py) or by a pass after them ("in_place")
-        self.commits = {"ahead": 0, "in_place": 0}
-        self._commits_ahead = overlap.enabled()  # decided once: cores and environment
+        # fused uplink commits since the start: acc written by the selection's scan
+        # ("in_scan") or by a pass after the collective ("in_place")
+        self.commits = {"in_scan": 0, "in_place": 0}
+        # HVD_SPARSE_ACC_IN_SCAN=off: no acc written by the uplink scan, one commit pass after
+        # the collective instead (the same bits; saves a spare buffer per one-parameter bucket)
+        self._acc_in_scan = os.environ.get("HVD_SPARSE_ACC_IN_SCAN", "on") != "off"
         self.link: Optional[costmodel.Link] = None
         self.calibrated_at: Optional[int] = None
         self._measured: Dict[int, float] = {}  # per bucket: least sparse compute seen
@@ -351,7 +354,8 @@ class Engine:
             # every rank, also on those that selected normally
             self._sparsifier_snapshot = (c.sparsifier.state_dict(),
                                          c.downlink_sparsifier.state_dict())
-        if flat is None:
+        given = flat is not None
+        if not given:
             flat, sparse_ids = self.gradient(b)
         name = f"hvd_sparse.{b.index}.{b.name}"
         if c.local_clip_norm is not None:
@@ -367,24 +371,49 @@ class Engine:
         sparsifier = c.sparsifier
         target = sparsifier.target_count(b.numel, up_density, ctx)
         residual = st.uplink.ensure(flat)
-        sel = None
+        sel = accumulating = None
         with self.clock.stage("uplink_select", b.index):
             if st.velocity is None:
                 ops = kernels.ops_for(residual) if flat.dtype == residual.dtype \
                     else kernels.reference
-                sel = sparsifier.fused(ops, flat, residual, up_density, ctx)
+                accumulating = self._accumulating(st, ops, flat, residual)
+                sel = sparsifier.fused(accumulating or ops, flat, residual, up_density, ctx)
                 if sel is not None and sel.nonfinite and c.nonfinite == "ignore":
                     sel = None  # NaN/Inf flow on, as the plain path lets them
         if sel is not None and sel.nonfinite:
             self._send_nonfinite(b, flat, name, sparse_ids)
             return
         if sel is None:
+            if accumulating is not None and accumulating.written and accumulating.into is flat:
+                # the scan left acc in the engine's own copy: the plain path needs the input
+                flat = self.weight_change(b) if given else self.gradient(b)[0]
+                if c.local_clip_norm is not None:
+                    flat = clip_local(flat, c.local_clip_norm, self.transport.size())
             self._launch_plain(b, flat, sparse_ids, name, target)
             return
         with self.clock.stage("encode", b.index):
             wire_values, sent, ctx_codec = self._to_wire(b, sel.values)
-            commit = (ops, flat, sel, sent)
+            acc = accumulating.into if accumulating is not None and accumulating.written \
+                else None
+            commit = (ops, flat, sel, sent, acc)
         self._send(b, name, sel.idx, wire_values, ctx_codec, sparse_ids, target, None, commit)
+
+    def _accumulating(self, st, ops, flat, residual):
+        """The numba primitives that also write ``acc`` in the selection's scan (see
+        :class:`~hvd_sparse.kernels.cpu.AccumulatingOps`), or None: into the engine's own copy
+        of the gradient where there is one (a multi-parameter bucket's concatenation, a weight
+        change), else into a spare buffer kept across steps (a one-parameter bucket reads
+        ``p.grad`` where it lies, and ``p.grad`` must hold the gradient until every rank has
+        said "finite")."""
+        if not self._acc_in_scan or ops is not kernels.cpu or flat.dtype != torch.float32 \
+                or residual.dtype != torch.float32 or flat.numel() != residual.numel():
+            return None
+        if flat is st.scratch:
+            return cpu.AccumulatingOps(flat, residual, flat)
+        spare = st.spare
+        if spare is None or spare.numel() != residual.numel():
+            st.spare = spare = torch.empty_like(residual)
+        return cpu.AccumulatingOps(flat, residual, spare)
 
     def _to_wire(self, b, values, prescale=True):
         """(values as the wire carries them, the same as the receiver will read them, codec
@@ -538,9 +567,8 @@ class Engine:
         try:
             received, bad = {}, {}
             check = self._dense_check_needed(write)
-            ahead = self._commit_ahead()
             for b in self.buckets:
-                received[b.index], bad_ranks = self._receive(b, check, ahead)
+                received[b.index], bad_ranks = self._receive(b, check)
                 if bad_ranks:
                     bad[b.name] = bad_ranks
             if bad:
@@ -548,7 +576,7 @@ class Engine:
             else:
                 served = []
                 for b in self.buckets:
-                    self._commit_uplink(b, write, ahead)
+                    self._commit_uplink(b, write)
                     if self.inflight[b.index].kind == "sharded":
                         self._serve_region(b, received[b.index])
                         served.append(b)
@@ -579,36 +607,13 @@ class Engine:
         return (c.nonfinite != "propagate" or write != "grads" or bool(self._snapshots)
                 or any(j.kind in ("sparse", "sharded") for j in self.inflight.values()))
 
-    def _commit_ahead(self) -> Optional[overlap.CommitAhead]:
-        """The uplink commits that can be computed during this step's waits: fused selections
-        on the numba backend (see :mod:`hvd_sparse.engine.overlap`)."""
-        if not self._commits_ahead:
-            return None
-        ahead = overlap.CommitAhead()
-        for b in self.buckets:
-            job = self.inflight.get(b.index)
-            if job is None or job.commit is None:
-                continue
-            ops, flat, _, _ = job.commit
-            st = self.state[b.index]
-            residual = st.uplink.buffer
-            if ops is kernels.cpu and flat is not None and residual is not None \
-                    and flat.dtype == residual.dtype == torch.float32 \
-                    and flat.device.type == "cpu":
-                # the engine's own copy (concatenated gradient, weight change) takes acc
-                ahead.add(b.index, st, flat, residual, in_place=flat is st.scratch)
-        return ahead or None
-
-    def _receive(self, b, check=True, ahead=None):
+    def _receive(self, b, check=True):
         """Wait for a bucket's exchange and decode it; returns (payloads or dense result,
         received bytes), bad ranks. Nothing is written yet, so a flag can still cancel.
-        ``check``: read dense results for NaN/Inf (:meth:`_dense_check_needed`); ``ahead``:
-        commit work to do while the exchange is not complete."""
+        ``check``: read dense results for NaN/Inf (:meth:`_dense_check_needed`)."""
         c = self.config
         job = self.inflight[b.index]
         size = self.transport.size()
-        if ahead:
-            ahead.work(lambda: not self.transport.ready(job.handle), self.clock)
         with self.clock.stage("collective_wait"):
             received = self.transport.wait(job.handle)
         if job.kind in ("sparse", "sharded"):
@@ -633,11 +638,11 @@ class Engine:
             bad = [-1] if check and not _all_finite(out) else []
         return (out, received_bytes), bad
 
-    def _commit_uplink(self, b, write, ahead=None):
+    def _commit_uplink(self, b, write):
         job = self.inflight[b.index]
         if job.commit is not None:
             with self.clock.stage("uplink_commit", b.index):
-                ops, flat, sel, sent = job.commit
+                ops, flat, sel, sent, acc = job.commit
                 st = self.state[b.index]
                 residual = st.uplink
                 # p.grad is about to be rewritten from zeros: zero it in this same pass when
@@ -650,8 +655,7 @@ class Engine:
                               and p.grad is not None and flat.data_ptr() == p.grad.data_ptr()
                               and flat.numel() == p.grad.numel()
                               and (self.config.bidirectional or flat.dtype == st.downlink.dtype))
-                acc = ahead.take(b.index) if ahead is not None else None
-                self.commits["in_place" if acc is None else "ahead"] += 1
+                self.commits["in_place" if acc is None else "in_scan"] += 1
                 if acc is None:
                     fused.commit(ops, flat, residual.buffer, sel, sent, zero_grad=job.zeroed)
                 else:  # acc = grad + residual is ready: what was sent leaves it, then a swap

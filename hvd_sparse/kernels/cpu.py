@@ -6,20 +6,19 @@ downlink where the residual already holds the aggregate; ``acc = g + r``):
 
 * :func:`scan` - one read of ``g`` and ``r``, writing nothing to them: counts the candidates
   (``acc >= t_hi`` or ``acc <= -t_lo``), collects them in index order (per-chunk in parallel),
-  flags NaN/Inf and sums ``acc^2``;
+  flags NaN/Inf and sums ``acc^2``; asked to, it also writes ``acc`` into a buffer of the
+  caller's (:class:`AccumulatingOps`, the uplink's);
 * :func:`gather` - hands the scan's candidates over (a second pass only when more came than
   the room the caller expected);
 * :func:`kth_magnitude` - the exact k-th largest ``|acc|`` (radix histogram on the float bits),
   for the rare case where a sampled threshold aimed too high;
-* :func:`commit` - ``r += g`` and the selected positions set to what the wire could not carry;
-  :func:`add_into` computes ``g + r`` into another buffer a piece at a time (the engine's
-  commit ahead, :mod:`hvd_sparse.engine.overlap`).
+* :func:`commit` - ``r += g`` and the selected positions set to what the wire could not carry.
 
 For the downlink watch (:mod:`.watch`): :func:`scatter_add` with ``read=True`` hands back the
 values it wrote, :func:`candidates` merges position lists through a bit set, and
 :func:`pick_unordered` and :func:`outside` select among candidates in any order.
 
-Nothing writes the residual before :func:`commit`, so a step that some rank has to skip (a
+Nothing writes the residual before :func:`commit` (or the engine's buffer swap), so a step that some rank has to skip (a
 NaN anywhere) leaves every residual exactly as it was. Fast math is on except for the NaN/Inf
 assumptions, which would remove the non-finite check. numba is optional: without it
 :func:`available` is False and the torch reference serves.
@@ -58,10 +57,13 @@ if HAVE_NUMBA:
     from numba.cpython.unsafe.numbers import trailing_zeros
 
     @njit(fastmath=FASTMATH, cache=True)
-    def _scan_chunk(g, r, thi, tlo, base, out_idx, out_val, start, cap):
+    def _scan_chunk(g, r, thi, tlo, base, out_idx, out_val, start, cap, into):
         """One read of a chunk: candidates (``acc >= thi`` or ``acc <= -tlo``) appended to
         ``out[start:start + cap]`` in index order, while they fit; returns (candidates seen,
-        sum of acc^2).
+        sum of acc^2). ``acc`` is ``r`` when ``g`` and ``into`` are None, ``g + r`` when
+        ``into`` is None, and else ``g + r`` written into ``into`` in the same pass, or
+        ``into + r`` written back into ``into`` when ``g`` is None (in place: one array
+        argument, so the loop vectorises without an aliasing check).
 
         Per 32-entry block a vectorised loop builds a bit mask of the candidates and sums
         ``a * a``; the set bits are then visited one by one (trailing-zero count), so only
@@ -73,48 +75,88 @@ if HAVE_NUMBA:
         pos = 0
         energy = 0.0
         # |a| >= t is a >= t or a <= -t, except at t = 0 where -0.0 and NaN differ: both
-        # forms agree on those (NaN: neither; -0.0 >= 0 and |-0.0| >= 0: both)
+        # forms agree on those (NaN: neither; -0.0 >= 0 and |-0.0| >= 0: both). Symmetric
+        # thresholds take one compare per entry instead of two
         symmetric = thi == tlo
         for b in range(full):
             lo = b * BLOCK
             mask = np.uint32(0)
             e = np.float32(0)
-            if g is None and symmetric:
-                for j in range(BLOCK):
-                    a = r[lo + j]
-                    mask |= np.uint32(abs(a) >= thi) << np.uint32(j)
-                    e += a * a
-            elif g is None:
-                for j in range(BLOCK):
-                    a = r[lo + j]
-                    mask |= np.uint32((a >= thi) | (a <= -tlo)) << np.uint32(j)
-                    e += a * a
-            elif symmetric:  # one compare per entry instead of two
-                for j in range(BLOCK):
-                    a = g[lo + j] + r[lo + j]
-                    mask |= np.uint32(abs(a) >= thi) << np.uint32(j)
-                    e += a * a
+            if g is None:
+                if into is None:
+                    if symmetric:
+                        for j in range(BLOCK):
+                            a = r[lo + j]
+                            mask |= np.uint32(abs(a) >= thi) << np.uint32(j)
+                            e += a * a
+                    else:
+                        for j in range(BLOCK):
+                            a = r[lo + j]
+                            mask |= np.uint32((a >= thi) | (a <= -tlo)) << np.uint32(j)
+                            e += a * a
+                else:
+                    if symmetric:
+                        for j in range(BLOCK):
+                            a = into[lo + j] + r[lo + j]
+                            into[lo + j] = a
+                            mask |= np.uint32(abs(a) >= thi) << np.uint32(j)
+                            e += a * a
+                    else:
+                        for j in range(BLOCK):
+                            a = into[lo + j] + r[lo + j]
+                            into[lo + j] = a
+                            mask |= np.uint32((a >= thi) | (a <= -tlo)) << np.uint32(j)
+                            e += a * a
             else:
-                for j in range(BLOCK):
-                    a = g[lo + j] + r[lo + j]
-                    mask |= np.uint32((a >= thi) | (a <= -tlo)) << np.uint32(j)
-                    e += a * a
+                if into is None:
+                    if symmetric:
+                        for j in range(BLOCK):
+                            a = g[lo + j] + r[lo + j]
+                            mask |= np.uint32(abs(a) >= thi) << np.uint32(j)
+                            e += a * a
+                    else:
+                        for j in range(BLOCK):
+                            a = g[lo + j] + r[lo + j]
+                            mask |= np.uint32((a >= thi) | (a <= -tlo)) << np.uint32(j)
+                            e += a * a
+                else:
+                    if symmetric:
+                        for j in range(BLOCK):
+                            a = g[lo + j] + r[lo + j]
+                            into[lo + j] = a
+                            mask |= np.uint32(abs(a) >= thi) << np.uint32(j)
+                            e += a * a
+                    else:
+                        for j in range(BLOCK):
+                            a = g[lo + j] + r[lo + j]
+                            into[lo + j] = a
+                            mask |= np.uint32((a >= thi) | (a <= -tlo)) << np.uint32(j)
+                            e += a * a
             energy += e
             while mask != 0:
                 j = trailing_zeros(mask)
                 if pos < cap:
                     out_idx[start + pos] = base + lo + j
-                    if g is None:
-                        out_val[start + pos] = r[lo + j]
+                    if into is not None:  # acc as written
+                        out_val[start + pos] = into[lo + j]
                     else:
-                        out_val[start + pos] = g[lo + j] + r[lo + j]
+                        if g is None:
+                            out_val[start + pos] = r[lo + j]
+                        else:
+                            out_val[start + pos] = g[lo + j] + r[lo + j]
                 pos += 1
                 mask &= mask - np.uint32(1)
         for i in range(full * BLOCK, n):
             if g is None:
-                a = r[i]
+                if into is None:
+                    a = r[i]
+                else:
+                    a = into[i] + r[i]
+                    into[i] = a
             else:
                 a = g[i] + r[i]
+                if into is not None:
+                    into[i] = a
             energy += a * a
             if (a >= thi) | (a <= -tlo):
                 if pos < cap:
@@ -124,16 +166,25 @@ if HAVE_NUMBA:
         return pos, energy
 
     @njit(parallel=True, cache=True)
-    def _scan_par(g, r, thi, tlo, chunk, out_idx, out_val, starts, caps, counts, energies):
+    def _scan_par(g, r, thi, tlo, chunk, out_idx, out_val, starts, caps, counts, energies,
+                  into):
         for c in prange(counts.size):
             lo = c * chunk
             hi = min(r.size, lo + chunk)
             if g is None:
-                t, e = _scan_chunk(None, r[lo:hi], thi, tlo, lo, out_idx, out_val,
-                                   starts[c], caps[c])
+                if into is None:
+                    t, e = _scan_chunk(None, r[lo:hi], thi, tlo, lo, out_idx, out_val,
+                                       starts[c], caps[c], None)
+                else:
+                    t, e = _scan_chunk(None, r[lo:hi], thi, tlo, lo, out_idx, out_val,
+                                       starts[c], caps[c], into[lo:hi])
             else:
-                t, e = _scan_chunk(g[lo:hi], r[lo:hi], thi, tlo, lo, out_idx, out_val,
-                                   starts[c], caps[c])
+                if into is None:
+                    t, e = _scan_chunk(g[lo:hi], r[lo:hi], thi, tlo, lo, out_idx, out_val,
+                                       starts[c], caps[c], None)
+                else:
+                    t, e = _scan_chunk(g[lo:hi], r[lo:hi], thi, tlo, lo, out_idx, out_val,
+                                       starts[c], caps[c], into[lo:hi])
             counts[c] = t
             energies[c] = e
 
@@ -332,11 +383,6 @@ if HAVE_NUMBA:
             r[i] += g[i]
             g[i] = 0.0
 
-    @njit(fastmath=FASTMATH, cache=True)
-    def _add_into(g, r, out):
-        for i in range(r.size):  # from 0: no negative-index checks, so it vectorises
-            out[i] = g[i] + r[i]
-
     @njit(parallel=True, cache=True)
     def _add_zero_par(g, r, chunk):
         for c in prange((r.size + chunk - 1) // chunk):
@@ -404,7 +450,7 @@ class Scan(NamedTuple):
     args: tuple  # to scan again with exact room when they did not
 
 
-def _run_scan(gn, rn, thi, tlo, caps):
+def _run_scan(gn, rn, thi, tlo, caps, into=None):
     nchunks, chunk = _chunks(rn.size)
     starts = np.zeros(nchunks, dtype=np.int64)
     np.cumsum(caps[:-1], out=starts[1:])
@@ -414,22 +460,32 @@ def _run_scan(gn, rn, thi, tlo, caps):
     counts = np.empty(nchunks, dtype=np.int64)
     energies = np.empty(nchunks, dtype=np.float64)
     if nchunks == 1:  # on the calling thread: numba's pool stays asleep
-        counts[0], energies[0] = _scan_chunk(gn, rn, thi, tlo, 0, out_idx, out_val, 0, caps[0])
+        counts[0], energies[0] = _scan_chunk(gn, rn, thi, tlo, 0, out_idx, out_val, 0, caps[0],
+                                             into)
     else:
-        _scan_par(gn, rn, thi, tlo, chunk, out_idx, out_val, starts, caps, counts, energies)
+        _scan_par(gn, rn, thi, tlo, chunk, out_idx, out_val, starts, caps, counts, energies,
+                  into)
     return counts, energies, starts, out_idx, out_val
 
 
-def scan(g, r, t_hi, t_lo, expect=None) -> Scan:
+def scan(g, r, t_hi, t_lo, expect=None, into=None) -> Scan:
     """Count ``acc >= t_hi or acc <= -t_lo``, look for NaN/Inf and collect the candidates, in
     one read of ``g`` and ``r`` (writes nothing to them). ``expect``: about how many candidates
-    there will be (room for twice that is made; more costs a second pass)."""
+    there will be (room for twice that is made; more costs a second pass). ``into`` (with a
+    gradient; a float32 buffer of the same length, or ``g`` itself): ``acc`` is written there
+    in the same pass (4 bytes per entry more instead of a later pass of 12, see
+    :class:`AccumulatingOps`)."""
     gn, rn = _np(g), _np(r)
+    into_n = None if into is None or gn is None else _np(into)
+    if into_n is not None and into_n.ctypes.data == gn.ctypes.data:
+        gn = None  # in place: the kernel reads g from ``into`` and writes acc back
     thi, tlo = np.float32(t_hi), np.float32(t_lo)
     nchunks, chunk = _chunks(rn.size)
     room = (rn.size // 32 if expect is None else 2 * int(expect)) + 4096
     caps = np.full(nchunks, -(-room // nchunks) + BLOCK, dtype=np.int64)
-    counts, energies, starts, out_idx, out_val = _run_scan(gn, rn, thi, tlo, caps)
+    counts, energies, starts, out_idx, out_val = _run_scan(gn, rn, thi, tlo, caps, into_n)
+    if into_n is not None:  # a second scan reads acc alone (``g`` may hold it now)
+        gn, rn = None, into_n
     complete = bool((counts <= caps).all())
     count = int(counts.sum())
     if complete:
@@ -444,6 +500,44 @@ def scan(g, r, t_hi, t_lo, expect=None) -> Scan:
     energy = float(energies.sum())
     return Scan(count, not np.isfinite(energy), energy, cidx, cval, complete,
                 (gn, rn, thi, tlo, counts))
+
+
+class AccumulatingOps:
+    """These primitives for one uplink selection from ``acc = g + r``, whose first scan of
+    ``(g, r)`` also writes ``acc`` into ``into``: the uplink commit is then the O(k) write of
+    the selected positions and an exchange of buffers instead of a pass of its own (reading
+    ``g`` and ``r`` and writing ``r``), and any later scan, sample or threshold of the same
+    selection reads ``acc`` alone. ``into`` may be ``g`` when ``g`` is a buffer nothing else
+    reads. ``written`` says whether it happened (a method may decide without a scan, or give
+    up after one and take the plain path)."""
+
+    def __init__(self, g, r, into):
+        self.g, self.r, self.into = g, r, into
+        self.written = False
+
+    def __getattr__(self, attr):  # every other primitive is the module's own
+        try:
+            return globals()[attr]
+        except KeyError:
+            raise AttributeError(attr) from None
+
+    def _reads(self, g, r):
+        if self.written and g is self.g and r is self.r:
+            return None, self.into
+        return g, r
+
+    def scan(self, g, r, t_hi, t_lo, expect=None):
+        if not self.written and g is self.g and r is self.r:
+            s = scan(g, r, t_hi, t_lo, expect, into=self.into)
+            self.written = True
+            return s
+        return scan(*self._reads(g, r), t_hi, t_lo, expect)
+
+    def sample(self, g, r, positions):
+        return sample(*self._reads(g, r), positions)
+
+    def kth_magnitude(self, g, r, k):
+        return kth_magnitude(*self._reads(g, r), k)
 
 
 def gather(g, r, s: Scan):
@@ -508,12 +602,6 @@ def commit(g, r, idx, remainder, zero_grad=False) -> None:
             r.add_(g)
     if idx.numel():
         _set_at(_np(r), idx.numpy(), _np(remainder))
-
-
-def add_into(g, r, out, lo: int, hi: int) -> None:
-    """``out[lo:hi] = g[lo:hi] + r[lo:hi]`` on the calling thread (a piece of work small enough
-    to run between two tests of a collective)."""
-    _add_into(_np(g)[lo:hi], _np(r)[lo:hi], _np(out)[lo:hi])
 
 
 def scatter_add(target, idx, vals, scale: float, read: bool = False):
@@ -625,8 +713,10 @@ def warm_up() -> None:
                 select.topk(me, grad, r, 100)
                 select.topk(me, grad, r, 1 << 17)
                 kth_magnitude(grad, r, 100)
+            own = g.clone()  # the uplink's scans that write acc: into a spare, in place
+            select.topk(AccumulatingOps(g, r, torch.empty_like(r)), g, r, 100)
+            select.topk(AccumulatingOps(own, r, own), own, r, 100)
         finally:
             torch.set_num_threads(old)
-    add_into(g, g, torch.empty_like(g), 0, 64)
     from .. import golomb
     golomb.decode(golomb.encode(np.array([1, 5, 90]), 3), 3, 3)
