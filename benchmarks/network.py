@@ -127,6 +127,8 @@ def main():
                            "ranks": ranks,
                            "density": float(args.density), "step_s": step,
                            "step_s_repeats": [r["step_s_median"] for r in recs],
+                           # per repeat, to see where a slow repeat's time went
+                           "stage_s_mean_repeats": [r.get("stage_s_mean") for r in recs],
                            "timed_steps": args.steps,
                            "parameters": recs[0]["parameters"], "floor_s": floor_s,
                            "over_floor": step / floor_s if floor_s else None,
