@@ -153,6 +153,32 @@ def test_training_cli_transformer_adamw_update_exchange(tmp_path, mpi_available)
     assert recs[-1]["valid_loss"] < recs[0]["valid_loss"] < 5.0  # it learns
     assert recs[-1]["bytes_sent"] * 10 < recs[-1]["dense_bytes"]
     assert "epoch 1/2: step 10/10" in proc.stdout  # progress without a terminal
+    assert recs[-1]["bidirectional"] is False  # the CLI's default for adaptive updates
+
+
+@pytest.mark.parametrize("base, exchange, given, want", [
+    ("adamw", "auto", {}, (False, 30)),  # the study's best setting, 10% of 300 steps
+    ("adamw", "update", {}, (False, 30)),
+    ("adamw", "gradient", {}, (True, 0)),  # gradients: the library's defaults
+    ("sgd", "auto", {}, (True, 0)),
+    ("sgd", "update", {}, (True, 0)),  # worse on the LSTM
+    ("adamw", "auto", {"bidirectional": True, "density_warmup_steps": 0}, (True, 0)),
+    ("adamw", "auto", {"density_warmup_steps": 7}, (False, 7)),
+])
+def test_cli_defaults_for_adaptive_updates(base, exchange, given, want):
+    from hvd_sparse.train.__main__ import adaptive_defaults, parse_args
+
+    argv = ["--base-optimizer", base, "--exchange", exchange]
+    if "bidirectional" in given:
+        argv.append("--bidirectional" if given["bidirectional"] else "--no-bidirectional")
+    if "density_warmup_steps" in given:
+        argv += ["--density-warmup-steps", str(given["density_warmup_steps"])]
+    args = parse_args(argv)
+    args.total_steps = 300
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    opt = torch.optim.AdamW(params) if base == "adamw" else torch.optim.SGD(params, lr=0.1)
+    adaptive_defaults(args, opt)
+    assert (args.bidirectional, args.density_warmup_steps) == want
 
 
 def test_progress_lines_every_five_percent():
