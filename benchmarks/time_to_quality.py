@@ -7,7 +7,7 @@ Dense trains ``--steps`` steps; each sparse setting trains up to ``--sparse-step
 many by default: at equal steps it ends behind dense, so the question is what it costs to catch
 up). All ranks run on this machine behind ``launch/slownet.sh RATE`` and evaluate every
 ``--every`` steps (``--only NAME ...`` reruns some settings, e.g. longer, and keeps the
-others' records); the time counted is training time (``train_s``: evaluations left out), the
+others' records; ``--sparse-steps`` then sets their length); the time counted is training time (``train_s``: evaluations left out), the
 bytes are those each rank sent. A run "reaches" dense's final loss at the first evaluation at or
 below it. Workloads and settings are the convergence study's best per optimizer
 (``benchmarks/convergence.py``): the character Transformer with AdamW, updates exchanged (the
@@ -35,10 +35,16 @@ def workloads(every):
     }
 
 
-def settings(workload):
+def settings(workload, steps):
     if workload == "transformer":
+        # the library's defaults for AdamW (updates exchanged), and the training CLI's (no
+        # downlink selection, DGC's density warm-up over the first 10% of the run)
         return {"dense": ["--optimizer", "dense"],
-                "topk1%-update": ["--density", "0.01", "--exchange", "update"]}
+                "topk1%-update": ["--density", "0.01", "--exchange", "update",
+                                  "--bidirectional", "--density-warmup-steps", "0"],
+                "topk1%-update-unidirectional-warmup": [
+                    "--density", "0.01", "--exchange", "update", "--no-bidirectional",
+                    "--density-warmup-steps", str(max(1, steps // 10))]}
     return {"dense": ["--optimizer", "dense"],
             "topk1%-grad": ["--density", "0.01", "--exchange", "gradient"],
             "topk1%-grad-momcorr": ["--density", "0.01", "--exchange", "gradient",
@@ -67,11 +73,12 @@ def main():
     # runs named with --only replace their earlier records; the others are kept
     runs = json.loads(path.read_text())["runs"] if args.only and path.exists() else {}
     for wname, wargs in workloads(args.every).items():
-        for sname, sargs in settings(wname).items():
+        for sname in settings(wname, sparse_steps):
             name = f"{wname}/{sname}"
             if args.only and name not in args.only:
                 continue
             steps = args.steps if sname == "dense" else sparse_steps
+            sargs = settings(wname, steps)[sname]
             warm = ["--warmup-steps", str(max(1, steps // 10))] if wname == "transformer" else []
             train_args = ["--epochs", str(steps // args.every), *wargs, *warm, *sargs]
             recs = train_run(name, train_args, launcher=slownet(args.rate, args.ranks))
