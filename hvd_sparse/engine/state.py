@@ -38,8 +38,8 @@ class BucketState:
     # the downlink residual's positions that can be selected next (exact re-selection
     # without a scan, numba backend); rebuilt by one scan whenever it cannot be trusted
     watch: ResidualWatch = field(default_factory=ResidualWatch)
-    # the uplink commit computed during collective waits lands here, then swaps with the
-    # residual (:mod:`hvd_sparse.engine.overlap`); not state: no information between steps
+    # acc written by the uplink scan of a one-parameter bucket (Engine._accumulating), which
+    # swaps with the residual at the commit; not state: no information between steps
     spare: Optional[torch.Tensor] = None
 
     @classmethod
@@ -69,6 +69,8 @@ class InFlight:
     selected: int
     target: Optional[int]
     error: Optional[torch.Tensor] = None  # ||residual||^2 after selection
-    commit: Any = None  # deferred uplink residual update: (ops, grad, selection, sent)
+    # deferred uplink residual update: (ops, grad, selection, sent, acc written by the scan or
+    # None)
+    commit: Any = None
     zeroed: bool = False  # the uplink commit zeroed p.grad in its pass
     own_bytes: int = 0  # sharded: the part of this rank's all-to-all that stays with it
