@@ -18,10 +18,10 @@ For the downlink watch (:mod:`.watch`): :func:`scatter_add` with ``read=True`` h
 values it wrote, :func:`candidates` merges position lists through a bit set, and
 :func:`pick_unordered` and :func:`outside` select among candidates in any order.
 
-Nothing writes the residual before :func:`commit` (or the engine's buffer swap), so a step that some rank has to skip (a
-NaN anywhere) leaves every residual exactly as it was. Fast math is on except for the NaN/Inf
-assumptions, which would remove the non-finite check. numba is optional: without it
-:func:`available` is False and the torch reference serves.
+Nothing writes the residual before :func:`commit` (or the engine's buffer swap), so a step that
+some rank has to skip (a NaN anywhere) leaves every residual exactly as it was. Fast math is on
+except for the NaN/Inf assumptions, which would remove the non-finite check. numba is optional:
+without it :func:`available` is False and the torch reference serves.
 """
 from __future__ import annotations
 
