@@ -29,6 +29,14 @@ def runs(args):
                                    "--collective", "allgather"],
         "fashion/topk-1%-sharded": fm + ["--density", "0.01", "--cost-model", "off",
                                          "--collective", "sharded"],
+        # the LSTM's best SGD levers (benchmarks/convergence.py) on the ResNet: DGC's momentum
+        # correction, alone and with one global Top-K and the density warm-up over 10% of the
+        # run (run with --out accuracy_sgd_levers)
+        "fashion/topk-1%-momcorr": fm + ["--density", "0.01", "--cost-model", "off",
+                                         "--collective", "allgather", "--momentum-correction"],
+        "fashion/topk-1%-momcorr-global-warmup": fm + [
+            "--density", "0.01", "--cost-model", "off", "--collective", "allgather",
+            "--momentum-correction", "--scope", "model", "--density-warmup-steps", "93"],
         "shakespeare/dense": sh + ["--optimizer", "dense"],
         "shakespeare/topk-1%": sh + ["--density", "0.01", "--cost-model", "off",
                                      "--collective", "allgather"],
