@@ -8,7 +8,9 @@ the link); the validation loss is read at ``--evals`` points along the run. Work
 
 * ``transformer``: a 3-layer character Transformer (652k parameters) on Shakespeare, AdamW
   (lr 3e-3, 10% linear warm-up, cosine decay), batch 16 x 128 per rank;
-* ``lstm``: the character LSTM on Shakespeare, SGD with momentum (the training CLI's defaults).
+* ``lstm``: the character LSTM on Shakespeare, SGD with momentum (the training CLI's defaults);
+* ``lstm-adamw``: the same LSTM with the Transformer's AdamW schedule, where the levers for
+  adaptive optimizers are checked on a model they were not chosen on.
 
 Levers, each with its reason:
 
@@ -128,6 +130,10 @@ def workloads(steps, evals):
                                  "--lr", "3e-3", "--warmup-steps", str(max(1, steps // 10)),
                                  "--batch-size", "16", "--seq-len", "128"],
         "lstm": common + ["--model", "lstm"],
+        # a check of the adaptive-optimizer defaults on a model they were not chosen on: the
+        # same LSTM trained with AdamW (the Transformer's schedule)
+        "lstm-adamw": common + ["--model", "lstm", "--base-optimizer", "adamw", "--lr", "3e-3",
+                                "--warmup-steps", str(max(1, steps // 10))],
     }
 
 
