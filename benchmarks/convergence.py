@@ -95,8 +95,8 @@ def levers(steps):
                                                  "--no-bidirectional",
                                                  "--dense-warmup-steps", "10"],
         # how small tensors are treated (DGC leaves biases and other small layers dense): on
-        # the LSTM every tensor but the two recurrent weight matrices (embedding, biases, the
-        # output layer: 7% of the entries) goes dense; tensors below 1,024 entries always do
+        # the LSTM every tensor but its two weight matrices (embedding, biases, the output
+        # layer: 6.5% of the entries) goes dense; tensors below 1,024 entries always do
         "topk1%-grad-smalldense": ["--density", "0.01", *grad, *small],
         "topk1%-update-smalldense": ["--density", "0.01", *update, *small],
         "topk1%-grad-momcorr-smalldense": ["--density", "0.01", *grad, "--momentum-correction",
