@@ -20,6 +20,8 @@ def runs(args):
     fm = ["--dataset", "fashion-mnist", "--model", "resnet", "--epochs", str(args.epochs)]
     sh = ["--dataset", "shakespeare", "--model", "lstm", "--epochs", str(args.lstm_epochs),
           "--steps-per-epoch", str(args.lstm_steps)]
+    # 10% of the Fashion-MNIST run (60,000 images, batch 64 per rank), for the density warm-up
+    warm = str(max(1, args.epochs * (60000 // (64 * args.ranks)) // 10))
     return {
         "fashion/dense": fm + ["--optimizer", "dense"],
         # the sparse method itself: the time cost model could send buckets dense
@@ -36,7 +38,7 @@ def runs(args):
                                          "--collective", "allgather", "--momentum-correction"],
         "fashion/topk-1%-momcorr-global-warmup": fm + [
             "--density", "0.01", "--cost-model", "off", "--collective", "allgather",
-            "--momentum-correction", "--scope", "model", "--density-warmup-steps", "93"],
+            "--momentum-correction", "--scope", "model", "--density-warmup-steps", warm],
         "shakespeare/dense": sh + ["--optimizer", "dense"],
         "shakespeare/topk-1%": sh + ["--density", "0.01", "--cost-model", "off",
                                      "--collective", "allgather"],
