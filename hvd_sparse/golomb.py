@@ -173,6 +173,57 @@ except ImportError:  # pragma: no cover - depends on the installation
     _pack = _walk = None
 
 
+def decode_tensor(stream: torch.Tensor, count: int, b: int):
+    """Inverse of :func:`encode_tensor` on the stream's own device with no host read, so a
+    GPU decodes the positions it received where they lie: ``(positions, complete)``, where
+    ``complete`` is a 0-dim bool tensor, False when the stream ends before ``count`` codewords
+    (the caller folds it into a host read it makes anyway).
+
+    A sequential walk does not map onto a GPU, so the codeword starts are found by doubling
+    instead. Every bit position ``s`` has a successor: the bit after the first zero at or after
+    ``s``, plus ``b`` (where the next codeword would start if one started at ``s``). Start 0 is
+    known; round ``r`` finds starts ``2**r .. 2**(r+1) - 1`` by one jump of ``2**r`` codewords
+    from the first ``2**r``, and squares the jump. That is ``ceil(log2(count))`` rounds of
+    gathers (O(bits log count) work, no atomics, so the same result on every device)."""
+    device = stream.device
+    if count == 0:
+        return (torch.empty(0, dtype=torch.int64, device=device),
+                torch.ones((), dtype=torch.bool, device=device))
+    n = stream.numel() * 8
+    if n == 0:
+        return (torch.zeros(count, dtype=torch.int64, device=device),
+                torch.zeros((), dtype=torch.bool, device=device))
+    broken = n + 1  # the successor of a start whose codeword does not fit in the stream
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
+    bits = ((stream.reshape(-1, 1) >> shifts) & 1).reshape(-1)
+    zero = bits == 0
+    # the first zero at or after each bit: the zeros in order (padded with n), indexed by how
+    # many zeros come before the bit
+    before = torch.cumsum(zero, 0) - zero.to(torch.int64)
+    where_zero = torch.nonzero_static(zero, size=n + 1, fill_value=n).reshape(-1)
+    stay = torch.tensor([n, broken], dtype=torch.int64, device=device)
+    nextzero = torch.cat([where_zero[before], stay])  # n and broken map to themselves
+    nxt = nextzero + (1 + b)
+    step = torch.where((nextzero < n) & (nxt <= n), nxt, broken)
+    step[n:] = stay
+    starts = torch.zeros(1, dtype=torch.int64, device=device)
+    jump = step
+    rounds = (count - 1).bit_length()
+    for r in range(rounds):
+        starts = torch.cat([starts, jump[starts]])
+        if r + 1 < rounds:
+            jump = jump[jump]
+    starts = starts[:count]
+    complete = ((starts < n) & (step[starts] <= n)).all()
+    term = nextzero[starts].clamp_(max=n - 1)
+    gaps = (term - starts.clamp(max=n)) << b
+    if b:
+        at = ((term + 1).unsqueeze(1) + torch.arange(b, device=device)).clamp_(max=n - 1)
+        weights = torch.arange(b - 1, -1, -1, device=device)
+        gaps = gaps + (bits[at].to(torch.int64) << weights).sum(1)
+    return torch.cumsum(gaps + 1, 0) - 1, complete
+
+
 def decode(data: bytes, count: int, b: int) -> np.ndarray:
     """Inverse of :func:`encode` for ``count`` positions."""
     if count == 0:

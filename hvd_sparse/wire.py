@@ -20,6 +20,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -128,6 +129,9 @@ class Payload:
     values: torch.Tensor   # one per index (a constant payload is expanded)
     nbytes: int
     nonfinite: bool = False  # the sender saw NaN/Inf and sent nothing
+    # Golomb positions decoded on a device: whether the stream held them all (0-dim bool,
+    # read with the position checks of decode_all); None where there is nothing to check
+    complete: Optional[torch.Tensor] = None
 
 
 def _host_reader(buf: torch.Tensor):
@@ -162,6 +166,7 @@ def decode_one(buf: torch.Tensor, offset: int, read, numel: int = 2**62):
                            f"bucket's {numel}")
     vdt = _VALUE_DTYPES[vcode]
     pos = offset + HEADER_BYTES
+    complete = None
     if icode == GOLOMB:
         ext = read(pos, GOLOMB_EXT.size)
         if len(ext) < GOLOMB_EXT.size:
@@ -170,11 +175,14 @@ def decode_one(buf: torch.Tensor, offset: int, read, numel: int = 2**62):
         pos += GOLOMB_EXT.size
         if pos + stream_bytes > buf.numel():
             raise PayloadError(f"Golomb-Rice stream at byte {pos} runs past the buffer end")
-        try:
-            idx_np = golomb.decode(read(pos, stream_bytes), count, b)
-        except (ValueError, IndexError) as e:
-            raise PayloadError(f"corrupt Golomb-Rice positions at byte {offset}: {e}") from None
-        indices = torch.from_numpy(idx_np).to(buf.device)
+        if buf.device.type != "cpu":  # decoded where it lies; checked in decode_all's read
+            indices, complete = golomb.decode_tensor(buf[pos:pos + stream_bytes], count, b)
+        else:
+            try:
+                indices = torch.from_numpy(golomb.decode(read(pos, stream_bytes), count, b))
+            except (ValueError, IndexError) as e:
+                raise PayloadError(f"corrupt Golomb-Rice positions at byte {offset}: "
+                                   f"{e}") from None
         ib = stream_bytes
     else:
         idt = _INDEX_DTYPES[icode]
@@ -192,7 +200,7 @@ def decode_one(buf: torch.Tensor, offset: int, read, numel: int = 2**62):
     if constant:
         values = values.expand(count) if count else values[:0]
     end = pos + vb + _pad8(vb)
-    return Payload(indices, values, end - offset, nonfinite), tag, end
+    return Payload(indices, values, end - offset, nonfinite, complete), tag, end
 
 
 def decode_all(buf: torch.Tensor, ranks: int, *, tag: int, numel: int, bucket: str) -> list:
@@ -219,7 +227,13 @@ def decode_all(buf: torch.Tensor, ranks: int, *, tag: int, numel: int, bucket: s
             # first, last and order come back in one read
             ordered = (idx[1:] > idx[:-1]).all() if idx.numel() > 1 else \
                 torch.ones((), dtype=torch.bool, device=idx.device)
-            first, last, ok = torch.stack([idx[0], idx[-1], ordered.to(idx.dtype)]).tolist()
+            complete = payload.complete if payload.complete is not None else \
+                torch.ones((), dtype=torch.bool, device=idx.device)
+            first, last, ok, whole = torch.stack(
+                [idx[0], idx[-1], ordered.to(idx.dtype), complete.to(idx.dtype)]).tolist()
+            if not whole:
+                raise PayloadError(f"rank {r}'s payload for bucket '{bucket}': corrupt "
+                                   "Golomb-Rice positions (the stream ends early)")
             if first < 0 or last >= numel:
                 raise PayloadError(f"rank {r} sent an index outside bucket '{bucket}' "
                                    f"(0..{numel - 1})")

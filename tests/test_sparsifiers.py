@@ -1,4 +1,6 @@
 """Each sparsifier's defining property, against numpy references (single process)."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -194,6 +196,83 @@ def test_golomb_coder_forms_agree(device, b):
     assert np.array_equal(golomb.decode(compiled, positions.size, b), positions)
     with pytest.raises(ValueError):
         golomb.encode_tensor(torch.tensor([4, 2], device=device), b)
+
+
+@pytest.mark.parametrize("device", GOLOMB_DEVICES)
+@pytest.mark.parametrize("b", [0, 1, 4, 9, 33])
+@pytest.mark.parametrize("case", ["random", "one", "first_and_second", "last", "dense_run"])
+def test_golomb_tensor_decoder_equals_the_sequential_walk(device, b, case):
+    """The GPU's decoder (pointer doubling, no host read) gives the sequential walk's positions,
+    and on a cut stream says so exactly when the walk runs out of bits."""
+    rng = np.random.default_rng(b)
+    n = 2**36 if b == 33 else 300_000
+    positions = {
+        "random": np.unique(rng.integers(0, n, 3000 if b else 300)),
+        "one": np.array([12345]),
+        "first_and_second": np.array([0, 1]),
+        "last": np.array([n - 1]),
+        "dense_run": np.arange(40, 90),
+    }[case]
+    data = golomb.encode(positions, b)
+    stream = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    got, complete = golomb.decode_tensor(stream, positions.size, b)
+    assert got.device.type == device and bool(complete)
+    assert np.array_equal(got.cpu().numpy(), positions)
+    for cut in sorted({0, 1, len(data) // 2, len(data) - 1}):
+        try:
+            walked = golomb.decode(data[:cut], positions.size, b)
+        except ValueError:
+            walked = None
+        got, complete = golomb.decode_tensor(stream[:cut], positions.size, b)
+        assert bool(complete) == (walked is not None)
+        if walked is not None:
+            assert np.array_equal(got.cpu().numpy(), walked)
+
+
+@pytest.mark.parametrize("device", GOLOMB_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_adaptive_signal_is_order_free_and_leaves_its_input(device, dtype):
+    """Adaptive k's signal, the aggregate's squared norm: the same bits for any order of the
+    same values (so every rank, device and thread count picks the same k), within 2**-17 of
+    the exact sum, and computed without writing the caller's tensor."""
+    from fractions import Fraction
+
+    from hvd_sparse.sparsifiers.adaptive import square_sum
+
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(50_000, generator=g) * torch.rand(50_000, generator=g) ** 8 * 1e-3)
+    x = x.to(dtype).to(device)
+    before = x.clone()
+    total = square_sum(x)
+    assert torch.equal(x, before)
+    exact = sum(Fraction(v) ** 2 for v in x.double().cpu().tolist())
+    assert abs(Fraction(total) - exact) <= exact * Fraction(1, 2**17)
+    for seed in range(3):
+        order = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(seed))
+        assert square_sum(x[order.to(device)]) == total
+    assert square_sum(x[:0]) == 0.0
+    assert square_sum(torch.tensor([3.0, -4.0], device=device)) == 25.0
+
+
+@pytest.mark.parametrize("device", GOLOMB_DEVICES)
+def test_fixed_point_sum_is_order_free_with_both_signs(device):
+    """SBC's one mean per sign and adaptive k's signal come from this sum: the same bits for
+    any order, within its stated bound of the exact sum, NaN/Inf passed through."""
+    from fractions import Fraction
+
+    from hvd_sparse.kernels.sums import fixed_point_sum
+
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(20_000, generator=g, dtype=torch.float64) *
+         torch.rand(20_000, generator=g, dtype=torch.float64) ** 4).to(device)
+    total = fixed_point_sum(x)
+    exact = sum(Fraction(v) for v in x.cpu().tolist())
+    peak = Fraction(float(x.abs().max()))
+    assert abs(Fraction(total) - exact) <= peak * x.numel() * Fraction(1, 2**(62 - 15))
+    order = torch.randperm(x.numel(), generator=g).to(device)
+    assert fixed_point_sum(x[order]) == total
+    assert math.isnan(fixed_point_sum(torch.tensor([1.0, math.nan], device=device)))
+    assert fixed_point_sum(torch.tensor([1.0, -math.inf], device=device)) == -math.inf
 
 
 @pytest.mark.parametrize("density,expected", [(0.001, 11.49), (0.01, 8.11)])

@@ -115,6 +115,23 @@ def test_payloads_decode_where_they_lie(device, coding, constant):
         wire.decode_all(bad, 1, tag=tag, numel=numel, bucket="w")
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_golomb_stream_that_never_terminates_is_a_payload_error(device):
+    """All-ones bytes are one unfinished unary quotient: decoded on the host or on the device,
+    the payload is refused, naming the rank and the bucket."""
+    numel = 10_000
+    tag = wire.fingerprint("g", numel)
+    idx = torch.tensor([3, 900, 4000], device=device)
+    buf = wire.encode(idx, torch.ones(3, device=device), index_dtype=torch.int32, tag=tag,
+                      numel=numel, index_coding="golomb")
+    stream = wire.HEADER_BYTES + wire.GOLOMB_EXT.size
+    stream_bytes = wire.GOLOMB_EXT.unpack(
+        bytes(buf[wire.HEADER_BYTES:stream].cpu().tolist()))[0]
+    buf[stream:stream + stream_bytes] = 0xFF
+    with pytest.raises(wire.PayloadError, match="rank 0.*'g'.*Golomb-Rice"):
+        wire.decode_all(buf, 1, tag=tag, numel=numel, bucket="g")
+
+
 def test_payload_index_width_switches_to_int64():
     assert wire.index_dtype_for(2**31) == torch.int32  # last index 2**31 - 1 still fits
     assert wire.index_dtype_for(2**31 + 1) == torch.int64

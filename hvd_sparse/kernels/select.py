@@ -18,6 +18,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .sums import fixed_point_sum
+
 INF = np.float32(np.inf)
 TINY = np.nextafter(np.float32(0), np.float32(1))  # the smallest positive float32
 
@@ -118,15 +120,16 @@ def topk_scanned(ops, g, r, k: int):
     return Selection(idx, val, val, energy=s.energy), cidx, cval, t
 
 
-def threshold(ops, g, r, lam: float, watch=None) -> Selection:
+def threshold(ops, g, r, lam: float, watch=None, expect=None) -> Selection:
     """Every entry with ``|acc| >= lam``, ``lam`` taken in the accumulation dtype (rounded to
     nearest, as torch's ``tensor >= float`` does): an explicit conversion, so the outcome does
     not depend on NumPy's promotion rules for mixed scalars (which changed in NumPy 2).
-    ``watch``: as for :func:`topk`."""
+    ``watch``: as for :func:`topk`; ``expect``: about how many entries to expect (room for the
+    scan to collect them in its one pass; the result does not depend on it)."""
     t = _as_dtype(lam, r.dtype)
     if watch is not None and g is None:
         return watch.threshold(ops, r, t)
-    s = ops.scan(g, r, t, t)
+    s = ops.scan(g, r, t, t, expect)
     if s.nonfinite:
         return _empty(r, True)
     idx, val = ops.gather(g, r, s)
@@ -134,11 +137,11 @@ def threshold(ops, g, r, lam: float, watch=None) -> Selection:
 
 
 def binary_mean(values: torch.Tensor) -> float:
-    """Mean of ``values`` in float64, summed in one fixed order (numpy's pairwise sum on the
-    host), so every backend and thread count gives the same bits."""
+    """Mean of ``values`` in float64, summed where they lie with an order-free sum
+    (:mod:`.sums`), so every backend, device and thread count gives the same bits."""
     if values.numel() == 0:
         return 0.0
-    return float(np.sum(values.detach().double().cpu().numpy()) / values.numel())
+    return fixed_point_sum(values.detach().to(torch.float64)) / values.numel()
 
 
 def sbc(ops, g, r, k: int) -> Optional[Selection]:

@@ -26,11 +26,30 @@ accrued so far plus the horizon's, and ``r_t = horizon``, so the long-run averag
 from __future__ import annotations
 
 import math
+import weakref
 
-import numpy as np
+import torch
 
 from ..kernels import select as fused_select
+from ..kernels.sums import fixed_point_sum
 from .base import Sparsifier, k_for_density, topk_indices
+
+
+_last_square_sum = (None, -1, 0.0)  # (weak reference to the tensor, its version, the sum)
+
+
+def square_sum(values: torch.Tensor) -> float:
+    """``sum(values ** 2)``, the same bits on every rank whatever the device or thread count
+    (every rank must choose the same k from it; see :mod:`~hvd_sparse.kernels.sums`). The
+    uplink's and the downlink's method observe the same tensor: the last result is kept for as
+    long as that tensor lives unchanged."""
+    global _last_square_sum
+    ref, version, total = _last_square_sum
+    if ref is not None and ref() is values and values._version == version:
+        return total
+    total = fixed_point_sum(torch.square(values.detach().to(torch.float64)))
+    _last_square_sum = (weakref.ref(values), values._version, total)
+    return total
 
 
 class AdaptiveTopK(Sparsifier):
@@ -110,9 +129,7 @@ class AdaptiveTopK(Sparsifier):
 
     def observe(self, aggregate, ctx):
         st = self._state(ctx.bucket)
-        # summed on the host in one fixed order: the same bits whatever the thread count
-        # (copied as it lies and widened on the host: half the bytes of a device-side widening)
-        s = float(np.sum(np.square(aggregate.detach().cpu().double().numpy())))
+        s = square_sum(aggregate)
         st["signal"] = s
         st["mean"] = s if st["mean"] is None else self.ema * st["mean"] + (1 - self.ema) * s
 

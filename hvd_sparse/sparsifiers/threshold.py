@@ -40,12 +40,21 @@ class HardThreshold(Sparsifier):
         if not (threshold >= 0.0):
             raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
         self.threshold = float(threshold)
+        # last step's count per (bucket, direction): room for the scan to collect candidates in
+        # its one pass (a GPU scan told nothing counts first and collects in a second); speed
+        # only, never the result, so it is not checkpointed
+        self._last_count = {}
 
     def select(self, acc, density, ctx):
         return threshold_indices(acc, self.threshold)
 
     def fused(self, ops, grad, residual, density, ctx):
-        return fused_select.threshold(ops, grad, residual, self.threshold, watch=ctx.watch)
+        key = (ctx.bucket, ctx.direction)
+        last = self._last_count.get(key)
+        sel = fused_select.threshold(ops, grad, residual, self.threshold, watch=ctx.watch,
+                                     expect=None if last is None else 2 * last + 1024)
+        self._last_count[key] = sel.idx.numel()
+        return sel
 
     def target_count(self, numel, density, ctx):
         return None
