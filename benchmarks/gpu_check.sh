@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command to verify the CuPy path on a machine with a GPU, torch, CuPy and mpi4py, and no
 # Horovod: GPU kernel equivalence (every sparsifier's fused form against its torch definition),
-# the selection benchmark (against torch.topk and a device copy floor), the engine benchmark,
+# the selection benchmark (against torch.topk and a device copy floor), the two exact Top-K
+# forms against each other (benchmarks/topk_paths.py), the engine benchmark,
 # and a 2-process run on the one GPU over the mpi4py transport. JSON results go to $OUT when it
 # is set (the device tool), else benchmarks/results/. Exits non-zero when a check fails.
 #
@@ -28,6 +29,11 @@ fi
 echo "== 2. selection: fused Top-K vs torch.topk vs device copy floor"
 (cd benchmarks && "$PY" selection.py --sizes 1e6 25e6 100e6 --densities 0.01 0.001) || status=1
 cp benchmarks/results/selection_cuda.json benchmarks/results/selection_cuda.png "$DEST"/ 2>/dev/null
+
+echo "== 2b. exact Top-K: the direct form vs the scan, to place DIRECT_TOPK_MAX"
+# JSON only under $OUT (the device tool returns 8 files); redraw the PNG with --replot
+(cd benchmarks && "$PY" topk_paths.py) || status=1
+cp benchmarks/results/topk_paths_cuda.json "$DEST"/ 2>/dev/null
 
 echo "== 3. engine alone on the GPU vs its pass-budget floor"
 (cd benchmarks && "$PY" engine.py --device cuda --sizes 11.4e6 100e6 --ranks 2 4) || status=1

@@ -11,6 +11,7 @@ from hvd_sparse import kernels
 from hvd_sparse.kernels import cpu, cuda, reference, select
 from hvd_sparse.sparsifiers import (AdaptiveTopK, GaussianK, HardThreshold, SelectionContext,
                                     SparseBinary, TopK)
+from hvd_sparse.sparsifiers.base import topk_indices
 
 BACKENDS = [pytest.param(reference, id="torch"),
             pytest.param(cpu, id="numba", marks=pytest.mark.skipif(
@@ -96,6 +97,43 @@ def test_fused_equals_definition(ops, method, kind, n, density, downlink):
         assert method == "sbc"
         return
     assert_same(*got, (method, kind, n, density, downlink))
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("kind", ["random", "heavy", "all_equal", "quantised", "negative_zero",
+                                  "mostly_zero"])
+@pytest.mark.parametrize("n,k", [(2, 1), (1000, 10), (1000, 999), (300_000, 300)])
+@pytest.mark.parametrize("downlink", [False, True], ids=["up", "down"])
+def test_direct_topk_equals_definition(device, kind, n, k, downlink):
+    """The GPU's form for short vectors (torch.topk for the k-th magnitude, the tie rule
+    without a count read) keeps exactly the definition's entries; it is plain torch, so it is
+    checked on the CPU too."""
+    grad, res = inputs(kind, n, n + k, device)
+    g = None if downlink else grad
+    r = res + grad if downlink else res
+    sel = cuda.topk_direct(g, r, k)
+    acc = r if downlink else grad + res
+    want = topk_indices(acc, k)
+    assert not sel.nonfinite and sel.ordered
+    assert torch.equal(sel.idx.cpu(), want.cpu())
+    assert torch.equal(sel.values.cpu(), acc[want].cpu())
+    r[n // 2] = float("nan")
+    assert cuda.topk_direct(g, r, k).nonfinite
+
+
+@pytest.mark.skipif(not cuda.available(), reason="no CUDA device with CuPy here")
+def test_cupy_scan_path_equals_definition(monkeypatch):
+    """With the direct form switched off, the sample-and-scan plan that longer vectors take on
+    a GPU gives the definition's result on the same inputs as test_fused_equals_definition."""
+    monkeypatch.setattr(cuda, "DIRECT_TOPK_MAX", 0)
+    for method in ("topk", "adaptive", "gaussiank"):
+        for kind in ("random", "heavy", "all_equal", "quantised", "negative_zero",
+                     "mostly_zero"):
+            for n, density in ((2, 0.5), (1000, 0.01), (300_000, 0.001), (1 << 20, 0.001)):
+                for downlink in (False, True):
+                    grad, res = inputs(kind, n, n + int(density * 1000), "cuda")
+                    got = run_both(cuda, SPARSIFIERS[method](), grad, res, density, downlink)
+                    assert_same(*got, (method, kind, n, density, downlink))
 
 
 @pytest.mark.parametrize("ops", BACKENDS)

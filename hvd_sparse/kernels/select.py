@@ -88,6 +88,9 @@ def topk(ops, g, r, k: int, watch=None) -> Selection:
     None), which may answer from the positions it tracks instead of a scan."""
     if watch is not None and g is None:
         return watch.topk(ops, r, k)
+    direct = getattr(ops, "topk_direct", None)  # a backend's form for short vectors
+    if direct is not None and 0 < k < r.numel() <= ops.DIRECT_TOPK_MAX:
+        return direct(g, r, k)
     return topk_scanned(ops, g, r, k)[0]
 
 
