@@ -198,9 +198,10 @@ def gather(g, r, s: Scan):
 
 #: entries: up to this length ``torch.topk`` of the whole vector beats the sample-and-scan plan,
 #: whose fixed cost (two host reads, a dozen launches) is about 1 ms per call. Measured with
-#: benchmarks/topk_paths.py on an H100: 0.68 against 1.37 ms at 1M entries, 1.35 against 1.65
-#: at 16M, 2.42 against 1.88 at 32M
-DIRECT_TOPK_MAX = 1 << 24
+#: benchmarks/topk_paths.py on an H100, two runs: up to 4M entries the direct form took half the
+#: scan's time in both (0.39-0.68 ms against 0.81-1.37 ms at 1M); at 8M and 16M it won in one
+#: run and lost at density 0.001 in the other; at 32M the scan won in both
+DIRECT_TOPK_MAX = 1 << 23
 
 
 def topk_direct(g, r, k: int):
