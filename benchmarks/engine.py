@@ -20,6 +20,7 @@ Results: benchmarks/results/engine_<device>.json and a stacked-bar PNG of the st
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
@@ -72,12 +73,41 @@ def synthesise(name, numel, index_dtype, k, ranks, device, seed=0):
     return out
 
 
+def calibrated_threshold(grads, density, steps, sample=1 << 20):
+    """A hard threshold that sends about ``density`` of the entries over the timed steps, so its
+    row compares with Top-K's at the same bytes: the uplink's error feedback (acc = grad +
+    residual, entries at or above lambda sent) simulated on a prefix of the same gradients, and
+    lambda bisected in log space. A fixed lambda with error feedback sends more and more as the
+    residual grows, so a lambda fitted to one gradient alone sends far more than ``density``."""
+    gs = [g[:sample].double().cpu() for g in grads]
+
+    def sent(lam):
+        residual = torch.zeros_like(gs[0])
+        count = 0
+        for step in range(steps + 2):
+            acc = residual + gs[step % 3]
+            keep = acc.abs() >= lam
+            residual = torch.where(keep, 0.0, acc)
+            if step >= 2:
+                count += int(keep.sum())
+        return count / (steps * gs[0].numel())
+
+    lo, hi = math.log(float(gs[0].abs().max()) * 1e-3), math.log(float(gs[0].abs().max()) * 1e2)
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if sent(math.exp(mid)) > density else (lo, mid)
+    return math.exp(hi)
+
+
 def build(n, ranks, density, device, steps, sparsifier):
     """An optimizer over one parameter of ``n`` entries on the synthesised transport, and three
     gradients to cycle through (shared with benchmarks/profile_engine.py)."""
     p = torch.nn.Parameter(torch.zeros(n, device=device))
     transport = SynthesisedTransport(ranks, {})
-    extra = {"threshold": 2.6e-2} if sparsifier == "threshold" else \
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(n, generator=gen).to(device) * 0.01 for _ in range(3)]
+    extra = {"threshold": calibrated_threshold(grads, density, steps)} \
+        if sparsifier == "threshold" else \
         {"total_steps": steps + 2} if sparsifier == "adaptive" else {}
     opt = hvd_sparse.DistributedOptimizer(
         torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)], density=density,
@@ -88,8 +118,6 @@ def build(n, ranks, density, device, steps, sparsifier):
     k = max(1, int(density * n))
     transport.others[f"hvd_sparse.0.{name}"] = synthesise(
         name, view.numel, view.index_dtype, k, ranks, device)
-    gen = torch.Generator().manual_seed(1)
-    grads = [torch.randn(n, generator=gen).to(device) * 0.01 for _ in range(3)]
     return opt, p, grads
 
 
@@ -105,10 +133,15 @@ def bench(n, ranks, density, device, steps, sparsifier):
         sync()
         times.append(time.perf_counter() - t)
         if step == 1:
-            before = dict(opt.communication_stats()["totals"]["stage_seconds"])
+            totals = opt.communication_stats()["totals"]
+            before = dict(totals["stage_seconds"])
+            sent_before = (totals["selected"], totals["numel"])
     times = times[2:]
-    after = opt.communication_stats()["totals"]["stage_seconds"]
+    totals = opt.communication_stats()["totals"]
+    after = totals["stage_seconds"]
     stages = {k: (v - before[k]) / steps for k, v in after.items()}
+    # what this rank selected over the timed steps: a threshold's count is not fixed
+    density = (totals["selected"] - sent_before[0]) / max(1, totals["numel"] - sent_before[1])
     paths = opt.communication_stats()["totals"]["downlink_selections"]
     budget = BUDGET_BYTES_PER_ENTRY[device] + (
         SCAN_BYTES_PER_ENTRY if paths["scanned"] >= paths["incremental"] else 0)
@@ -119,7 +152,8 @@ def bench(n, ranks, density, device, steps, sparsifier):
     return {"n": n, "ranks": ranks, "density": density, "device": device,
             "sparsifier": sparsifier, "engine_s": median, "engine_s_all": times,
             "budget_bytes_per_entry": budget, "downlink_selections": paths,
-            "floor_s": floor, "over_floor": median / floor, "stage_s": stages}
+            "floor_s": floor, "over_floor": median / floor, "stage_s": stages,
+            "uplink_density": density}
 
 
 def plot(rows, path):
@@ -162,6 +196,7 @@ def main():
                 rows.append(row)
                 print(f"{sp:9} n={int(n):>11,} P={ranks}: engine {row['engine_s'] * 1e3:7.1f} ms"
                       f"  floor {row['floor_s'] * 1e3:6.1f} ms  ({row['over_floor']:.2f}x)  "
+                      f"sent {row['uplink_density']:.2%}  "
                       + " ".join(f"{k}={v * 1e3:.1f}" for k, v in row["stage_s"].items() if v),
                       flush=True)
     save(f"engine_{args.device}", {"machine": machine(), "threads": args.threads,

@@ -275,6 +275,22 @@ def test_fixed_point_sum_is_order_free_with_both_signs(device):
     assert fixed_point_sum(torch.tensor([1.0, -math.inf], device=device)) == -math.inf
 
 
+def test_fixed_point_sum_compiled_form_has_the_torch_form_bits(monkeypatch):
+    """The CPU's compiled loop and the torch operations (the GPU's form) give the same bits,
+    squared or not, from tiny to huge magnitudes."""
+    from hvd_sparse.kernels import sums
+
+    if sums._fixed_point is None:
+        pytest.skip("numba is not installed: only the torch form exists")
+    g = torch.Generator().manual_seed(5)
+    cases = [torch.randn(100_000, generator=g), torch.randn(999, generator=g) * 1e20,
+             torch.randn(300, generator=g, dtype=torch.float64) * 1e-150,
+             torch.zeros(3), torch.tensor([-2.5])]
+    compiled = [sums.fixed_point_sum(x, square) for x in cases for square in (False, True)]
+    monkeypatch.setattr(sums, "_fixed_point", None)
+    assert compiled == [sums.fixed_point_sum(x, square) for x in cases for square in (False, True)]
+
+
 @pytest.mark.parametrize("density,expected", [(0.001, 11.49), (0.01, 8.11)])
 def test_golomb_bits_approach_the_entropy_bound(density, expected):
     rng = np.random.default_rng(0)

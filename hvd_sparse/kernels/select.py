@@ -144,7 +144,7 @@ def binary_mean(values: torch.Tensor) -> float:
     (:mod:`.sums`), so every backend, device and thread count gives the same bits."""
     if values.numel() == 0:
         return 0.0
-    return fixed_point_sum(values.detach().to(torch.float64)) / values.numel()
+    return fixed_point_sum(values) / values.numel()
 
 
 def sbc(ops, g, r, k: int) -> Optional[Selection]:

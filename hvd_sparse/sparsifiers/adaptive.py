@@ -47,7 +47,7 @@ def square_sum(values: torch.Tensor) -> float:
     ref, version, total = _last_square_sum
     if ref is not None and ref() is values and values._version == version:
         return total
-    total = fixed_point_sum(torch.square(values.detach().to(torch.float64)))
+    total = fixed_point_sum(values, square=True)
     _last_square_sum = (weakref.ref(values), values._version, total)
     return total
 
