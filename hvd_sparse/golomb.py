@@ -201,7 +201,7 @@ def decode_tensor(stream: torch.Tensor, count: int, b: int):
     # many zeros come before the bit
     before = torch.cumsum(zero, 0) - zero.to(torch.int64)
     where_zero = torch.nonzero_static(zero, size=n + 1, fill_value=n).reshape(-1)
-    stay = torch.tensor([n, broken], dtype=torch.int64, device=device)
+    stay = torch.arange(n, n + 2, device=device)  # made there: a copy from the host would wait
     nextzero = torch.cat([where_zero[before], stay])  # n and broken map to themselves
     nxt = nextzero + (1 + b)
     step = torch.where((nextzero < n) & (nxt <= n), nxt, broken)

@@ -227,11 +227,11 @@ def decode_all(buf: torch.Tensor, ranks: int, *, tag: int, numel: int, bucket: s
             # first, last and order come back in one read
             ordered = (idx[1:] > idx[:-1]).all() if idx.numel() > 1 else \
                 torch.ones((), dtype=torch.bool, device=idx.device)
-            complete = payload.complete if payload.complete is not None else \
-                torch.ones((), dtype=torch.bool, device=idx.device)
-            first, last, ok, whole = torch.stack(
-                [idx[0], idx[-1], ordered.to(idx.dtype), complete.to(idx.dtype)]).tolist()
-            if not whole:
+            checks = [idx[0], idx[-1], ordered.to(idx.dtype)]
+            if payload.complete is not None:
+                checks.append(payload.complete.to(idx.dtype))
+            first, last, ok, *whole = torch.stack(checks).tolist()
+            if whole and not whole[0]:
                 raise PayloadError(f"rank {r}'s payload for bucket '{bucket}': corrupt "
                                    "Golomb-Rice positions (the stream ends early)")
             if first < 0 or last >= numel:
