@@ -136,27 +136,6 @@ def test_cupy_scan_path_equals_definition(monkeypatch):
                     assert_same(*got, (method, kind, n, density, downlink))
 
 
-@pytest.mark.skipif(not cpu.available(), reason="numba is not installed")
-@pytest.mark.parametrize("quantised", [False, True])
-@pytest.mark.parametrize("m,k", [(50, 1), (1000, 200), (100_000, 30_000), (100_000, 49_000)])
-def test_pick_sides_equals_two_signed_picks(quantised, m, k):
-    """SBC's one-go pick of both sides gives each side's sign-wise pick exactly, ties (many,
-    when values are quantised) by lowest index; zeros belong to neither side."""
-    g = torch.Generator().manual_seed(m + k)
-    cval = torch.randn(m, generator=g)
-    if quantised:
-        cval = torch.round(cval * 3) / 3
-    cval[::17] = 0.0
-    cval[5::23] = -0.0
-    cidx = torch.sort(torch.randperm(10 * m, generator=g)[:m]).values
-    if min(int((cval > 0).sum()), int((cval < 0).sum())) < k:
-        pytest.skip("fewer than k candidates on a side")
-    pi, pv, ni, nv = cpu.pick_sides(cidx, cval, k)
-    for (i, v), sign in (((pi, pv), 1), ((ni, nv), -1)):
-        ri, rv = cpu.pick_topk(cidx, cval, k, sign=sign)
-        assert torch.equal(i, ri) and torch.equal(v, rv)
-
-
 @pytest.mark.parametrize("ops", BACKENDS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_threaded_equals_definition(ops, threads):

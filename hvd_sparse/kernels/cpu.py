@@ -250,67 +250,6 @@ if HAVE_NUMBA:
         return out_idx, out_val
 
     @njit(cache=True)
-    def _kth_in(hist, k):
-        """In a histogram of 65536 bins, the bin holding the k-th largest entry and how many of
-        that bin the k largest take."""
-        above = 0
-        top = 65535
-        while above + hist[top] < k:
-            above += hist[top]
-            top -= 1
-        return top, k - above
-
-    @njit(cache=True)
-    def _pick_sides(cidx, cval, k):
-        """``_pick`` with sign +1 and with sign -1 in one go (SBC needs both sides' k
-        largest): three passes over the candidates instead of eight. The same radix select
-        per side, on one histogram per side filled together; results in index order, ties by
-        lowest index, each side equal to its ``_pick``. Needs at least k candidates of each
-        sign. Branch-free, like ``_pick``: the sides of candidates alternate at random, and
-        a branch on the side mispredicts every other entry."""
-        m = cval.size
-        bits = cval.view(np.uint32)
-        hist = np.zeros(2 * 65536, dtype=np.int64)  # side 0: positive, 1: negative
-        for i in range(m):
-            v = cval[i]
-            b = bits[i] & np.uint32(0x7FFFFFFF)
-            hist[(np.int64(v < 0) << 16) | np.int64(b >> 16)] += np.int64(v != 0)
-        tops = np.empty(2, dtype=np.int64)
-        need = np.empty(2, dtype=np.int64)
-        for side in range(2):
-            tops[side], need[side] = _kth_in(hist[side * 65536:(side + 1) * 65536], k)
-        hist[:] = 0
-        for i in range(m):
-            v = cval[i]
-            b = bits[i] & np.uint32(0x7FFFFFFF)
-            side = np.int64(v < 0)
-            inside = np.int64(v != 0) & np.int64(np.int64(b >> 16) == tops[side])
-            hist[(side << 16) | np.int64(b & 0xFFFF)] += inside
-        kth = np.empty(2, dtype=np.int64)
-        for side in range(2):
-            low = 65535
-            while hist[side * 65536 + low] < need[side]:
-                need[side] -= hist[side * 65536 + low]
-                low -= 1
-            kth[side] = (tops[side] << 16) | low
-        out_idx = np.empty((2, k + 1), dtype=np.int64)  # one spare slot: stores are unconditional
-        out_val = np.empty((2, k + 1), dtype=np.float32)
-        pos = np.zeros(2, dtype=np.int64)
-        for i in range(m):
-            v = cval[i]
-            b = np.int64(bits[i] & np.uint32(0x7FFFFFFF))
-            side = np.int64(v < 0)
-            nonzero = np.int64(v != 0)
-            tie = nonzero & np.int64(b == kth[side]) & np.int64(need[side] > 0)
-            need[side] -= tie
-            take = (nonzero & np.int64(b > kth[side])) | tie
-            p = pos[side]
-            out_idx[side, p] = cidx[i]
-            out_val[side, p] = v
-            pos[side] = p + take
-        return out_idx[0, :k], out_val[0, :k], out_idx[1, :k], out_val[1, :k]
-
-    @njit(cache=True)
     def _scatter_add(target, idx, vals, scale):
         for j in range(idx.size):
             target[idx[j]] += vals[j] * scale
@@ -647,13 +586,6 @@ def pick_topk(cidx: torch.Tensor, cval: torch.Tensor, k: int, sign: int = 0):
         return cidx[:0], cval[:0]
     idx, val = _pick(cidx.numpy(), cval.numpy(), k, sign)
     return torch.from_numpy(idx), torch.from_numpy(val)
-
-
-def pick_sides(cidx: torch.Tensor, cval: torch.Tensor, k: int):
-    """``pick_topk`` with ``sign=1`` and with ``sign=-1`` at once (each side must hold at
-    least k candidates, 0 < k): (positive indices, values, negative indices, values)."""
-    out = _pick_sides(cidx.numpy(), cval.numpy(), k)
-    return tuple(torch.from_numpy(a) for a in out)
 
 
 def commit(g, r, idx, remainder, zero_grad=False) -> None:

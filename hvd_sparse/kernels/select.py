@@ -171,12 +171,8 @@ def sbc(ops, g, r, k: int) -> Optional[Selection]:
     ups = int((cval > 0).sum())
     if ups < k or cval.numel() - ups < k:
         return None
-    both = getattr(ops, "pick_sides", None)  # a backend's form that picks both in one go
-    if both is not None:
-        pi, pv, ni, nv = both(cidx, cval, k)
-    else:  # each pick passes over the other side
-        pi, pv = ops.pick_topk(cidx, cval, k, sign=1)
-        ni, nv = ops.pick_topk(cidx, cval, k, sign=-1)
+    pi, pv = ops.pick_topk(cidx, cval, k, sign=1)  # each pick passes over the other side
+    ni, nv = ops.pick_topk(cidx, cval, k, sign=-1)
     mean_pos, mean_neg = binary_mean(pv), -binary_mean(nv)
     idx, accv, mean = (pi, pv, mean_pos) if mean_pos >= mean_neg else (ni, nv, -mean_neg)
     return Selection(idx, torch.full_like(accv, mean), accv, energy=s.energy)
