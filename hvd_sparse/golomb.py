@@ -25,7 +25,7 @@ def optimal_parameter(density: float) -> int:
         return 0
     if density >= 1:
         return 0
-    ratio = math.log(PHI - 1) / math.log(1 - density)
+    ratio = math.log(PHI - 1) / math.log1p(-density)  # log1p: exact for tiny densities
     return max(0, 1 + math.floor(math.log2(ratio))) if ratio > 0 else 0
 
 

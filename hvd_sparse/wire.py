@@ -31,6 +31,9 @@ VERSION = 1
 HEADER = struct.Struct("<BBBBIq")
 HEADER_BYTES = HEADER.size  # 16
 GOLOMB_EXT = struct.Struct("<IBxxx")  # stream bytes, Rice parameter
+#: the largest Rice parameter an honest payload carries (about log2 of a bucket's length);
+#: a larger one would shift past 63 bits and, on a GPU, ask for count * b index entries
+MAX_RICE_PARAMETER = 62
 INT32_LIMIT = 2**31 - 1
 CONSTANT = 0x80
 NONFINITE = 0x40  # the sender's gradient held NaN/Inf; the payload carries no entries
@@ -173,6 +176,9 @@ def decode_one(buf: torch.Tensor, offset: int, read, numel: int = 2**62):
             raise PayloadError(f"buffer ends inside the Golomb-Rice header at byte {pos}")
         stream_bytes, b = GOLOMB_EXT.unpack(ext)
         pos += GOLOMB_EXT.size
+        if b > MAX_RICE_PARAMETER:  # no density gives more; a larger one is a corrupt header
+            raise PayloadError(f"corrupt Golomb-Rice header at byte {offset}: Rice parameter "
+                               f"{b} (at most {MAX_RICE_PARAMETER})")
         if pos + stream_bytes > buf.numel():
             raise PayloadError(f"Golomb-Rice stream at byte {pos} runs past the buffer end")
         if buf.device.type != "cpu":  # decoded where it lies; checked in decode_all's read

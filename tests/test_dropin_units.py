@@ -135,6 +135,7 @@ def _decode(buf, numel=100, ranks=1):
     ("negative", "outside bucket"), ("unsorted", "unsorted or repeated"),
     ("duplicate", "unsorted or repeated"), ("huge_count", "more than the bucket"),
     ("truncated_golomb", "Golomb"), ("truncated_header", "header"),
+    ("huge_rice_parameter", "Rice parameter"),
 ])
 def test_malformed_payloads_end_in_payload_error_naming_rank_and_bucket(case, match):
     good = _payload([1, 5, 9], [1.0, 2.0, 3.0])
@@ -149,6 +150,9 @@ def test_malformed_payloads_end_in_payload_error_naming_rank_and_bucket(case, ma
         buf[8:16] = torch.tensor([2**40], dtype=torch.int64).view(torch.uint8)
     elif case == "truncated_golomb":
         buf = _payload([1, 5, 9], [1.0, 2.0, 3.0], coding="golomb")[:20]
+    elif case == "huge_rice_parameter":  # would shift past 63 bits (and allocate count * b)
+        buf = _payload([1, 5, 9], [1.0, 2.0, 3.0], coding="golomb")
+        buf[wire.HEADER_BYTES + 4] = 200
     else:
         buf = good[:10]
     bufs = torch.cat([good, buf])
