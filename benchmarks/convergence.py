@@ -33,6 +33,10 @@ Levers, each with its reason:
 * ``smalldense`` (``min_sparse_numel``): small tensors (embeddings, biases, output layers)
   sent dense, as DGC leaves its small layers uncompressed; with ``scope="model"`` (one bucket)
   it changes nothing;
+* ``cooldown`` (``density_cooldown_steps`` = 10% of the run, up to 10% density): the mirror of
+  DGC's warm-up at the run's end, so the mass error feedback still holds reaches the final model
+  gradually (the iterate error feedback returns trails the one that converges like SGD by the
+  residuals: Stich et al., NeurIPS'18; Karimireddy et al., ICML'19);
 * density 1% and 0.1%, and the run's length (``--steps``: names get ``@<steps>steps`` unless
   300), since error feedback's delay weighs less in a longer run.
 
@@ -50,6 +54,8 @@ from common import RESULTS, machine, save, train_run
 def levers(steps):
     warm = ["--density-warmup-steps", str(max(1, steps // 10))]
     warm5 = ["--density-warmup-steps", str(max(1, steps // 20))]
+    warm15 = ["--density-warmup-steps", str(max(1, (3 * steps) // 20))]
+    cool = ["--density-cooldown-steps", str(max(1, steps // 10))]
     small = ["--min-sparse-numel", "20000"]
     grad, update = ["--exchange", "gradient"], ["--exchange", "update"]
     return {
@@ -85,6 +91,17 @@ def levers(steps):
         "topk1%-grad-momcorr-global-warmup": ["--density", "0.01", *grad,
                                               "--momentum-correction", "--scope", "model",
                                               *warm],
+        # the LSTM's best SGD setting with a longer warm-up, or without the downlink selection
+        "topk1%-grad-momcorr-global-warmup15": ["--density", "0.01", *grad,
+                                                "--momentum-correction", "--scope", "model",
+                                                *warm15],
+        "topk1%-grad-momcorr-global-warmup-unidirectional": [
+            "--density", "0.01", *grad, "--momentum-correction", "--scope", "model", *warm,
+            "--no-bidirectional"],
+        # the density cool-down over the last 10% of the run, up to 10% (hvd_sparse.dgc)
+        "topk1%-grad-momcorr-global-warmup-cooldown": ["--density", "0.01", *grad,
+                                                       "--momentum-correction", "--scope",
+                                                       "model", *warm, *cool],
         "topk1%-update-global-warmup": ["--density", "0.01", *update, "--scope", "model",
                                         *warm],
         # the two levers that helped the Transformer most, together, within the byte
@@ -114,6 +131,17 @@ def levers(steps):
         "topk0.1%-grad-momcorr-global-warmup5": ["--density", "0.001", *grad,
                                                  "--momentum-correction", "--scope", "model",
                                                  *warm5],
+        "topk0.1%-grad-momcorr-global-warmup5-unidirectional": [
+            "--density", "0.001", *grad, "--momentum-correction", "--scope", "model", *warm5,
+            "--no-bidirectional"],
+        "topk0.1%-grad-momcorr-global-warmup-unidirectional": [
+            "--density", "0.001", *grad, "--momentum-correction", "--scope", "model", *warm,
+            "--no-bidirectional"],
+        "topk0.1%-grad-momcorr-global-warmup5-unidirectional-cooldown": [
+            "--density", "0.001", *grad, "--momentum-correction", "--scope", "model", *warm5,
+            "--no-bidirectional", *cool],
+        "topk0.1%-update-unidirectional-warmup5-cooldown": ["--density", "0.001", *update,
+                                                            "--no-bidirectional", *warm5, *cool],
         "topk0.1%-grad": ["--density", "0.001", *grad],
         "topk0.1%-update": ["--density", "0.001", *update],
     }
@@ -124,7 +152,8 @@ def workloads(steps, evals):
     # the library's defaults unless a lever says otherwise (the training CLI's own defaults
     # for adaptive optimizers are this study's best lever, topk1%-update-unidirectional-warmup)
     common = ["--dataset", "shakespeare", "--epochs", str(evals), "--steps-per-epoch", str(per),
-              "--cost-model", "off", "--bidirectional", "--density-warmup-steps", "0"]
+              "--cost-model", "off", "--bidirectional", "--density-warmup-steps", "0",
+              "--density-cooldown-steps", "0"]
     return {
         "transformer": common + ["--model", "transformer", "--base-optimizer", "adamw",
                                  "--lr", "3e-3", "--warmup-steps", str(max(1, steps // 10)),

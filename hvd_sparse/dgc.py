@@ -6,6 +6,9 @@
 * Local gradient clipping: clip each rank's gradient (per bucket) to ``clip / sqrt(P)`` before it
   enters the residual, so the sum over P ranks respects the global clip.
 * Density warm-up: start near dense and shrink the density geometrically to its target.
+* Density cool-down (not DGC's; the mirror of its warm-up): over the last steps of a run of known
+  length, raise the density geometrically, so that the mass error feedback still holds back
+  reaches the final model in small, fresh steps instead of staying in the residuals.
 * Dense warm-start: exchange the first steps densely (error feedback flushed into them).
 """
 from __future__ import annotations
@@ -55,3 +58,22 @@ def warmup_density(step: int, target: float, warmup_steps: int) -> float:
     if warmup_steps <= 0 or step >= warmup_steps:
         return target
     return target ** ((step + 1) / (warmup_steps + 1))
+
+
+def cooldown_density(step: int, target: float, final: float, total_steps,
+                     cooldown_steps: int) -> float:
+    """Geometric schedule from ``target`` up to ``final`` over the last ``cooldown_steps`` of a
+    run of ``total_steps`` steps (``final`` from then on); ``target`` before it.
+
+    Why: error feedback keeps what was not sent, so the returned model trails the "virtual"
+    one that converges like SGD by the residuals' mass (Stich et al., NeurIPS'18; Karimireddy et
+    al., ICML'19). Handing that mass over in one dense step applies stale updates at once (no gain
+    measured); a density that rises over the last steps sends it gradually, each entry soon after
+    it accrued, for a small share of the run's bytes."""
+    if cooldown_steps <= 0 or total_steps is None:
+        return target
+    start = total_steps - cooldown_steps
+    if step < start:
+        return target
+    f = min(1.0, (step - start + 1) / cooldown_steps)
+    return min(1.0, target * (final / target) ** f)

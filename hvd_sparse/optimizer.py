@@ -255,6 +255,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          sparsifier="topk", threshold=None, total_steps=None, min_density=None,
                          max_density=None, sparsifier_options=None, index_coding=None,
                          momentum_correction=0.0, local_clip_norm=None, density_warmup_steps=0,
+                         density_cooldown_steps=0, cooldown_density=0.1,
                          dense_warmup_steps=0, local_steps=1, exchange="auto",
                          track_error=True,
                          deterministic_dense=True, dense_fallback=True, cost_model="time",
@@ -281,9 +282,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     parameters, are split into several), ``transport`` (a :class:`hvd_sparse.transport.Transport`;
     default Horovod's collectives).
 
-    Method keywords: ``threshold`` (for ``"threshold"``), ``total_steps``, ``min_density``,
-    ``max_density`` (for ``"adaptive"``), ``sparsifier_options`` (any other constructor keywords),
+    Method keywords: ``threshold`` (for ``"threshold"``), ``min_density``, ``max_density``
+    (for ``"adaptive"``), ``sparsifier_options`` (any other constructor keywords),
     ``index_coding`` (``"plain"`` or ``"golomb"``; default Golomb for ``"sbc"``).
+    ``total_steps`` is the run's length in optimizer steps, where known: adaptive Top-K plans its
+    budget over it, and ``density_cooldown_steps`` > 0 raises the density geometrically to
+    ``cooldown_density`` (default 0.1) over that many last steps of it (``hvd_sparse.dgc``:
+    what error feedback still holds reaches the final model; measured in
+    ``benchmarks/convergence.py``).
     DGC's aids: ``momentum_correction`` (velocity factor, with masking; use a base optimizer
     without momentum), ``local_clip_norm``, ``density_warmup_steps``, ``dense_warmup_steps``.
     ``local_steps`` > 1 is SBC's communication delay: that many local steps, then the accumulated
@@ -362,6 +368,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         sparsifier_options=sparsifier_options, index_coding=index_coding,
         momentum_correction=momentum_correction, local_clip_norm=local_clip_norm,
         density_warmup_steps=density_warmup_steps, dense_warmup_steps=dense_warmup_steps,
+        density_cooldown_steps=density_cooldown_steps, cooldown_density=cooldown_density,
         local_steps=local_steps, exchange=exchange, track_error=track_error,
         deterministic_dense=deterministic_dense,
         dense_fallback=dense_fallback, cost_model=cost_model,

@@ -328,3 +328,37 @@ def test_exchange_auto_picks_updates_for_adaptive_optimizers():
         == "gradient"
     assert exchange(lambda p: torch.optim.Adam(p, lr=1e-3), exchange="gradient") == "gradient"
     assert exchange(lambda p: torch.optim.SGD(p, lr=0.1), exchange="update") == "update"
+
+
+def test_density_cooldown_schedule_and_sent_counts():
+    """Over the last ``density_cooldown_steps`` of ``total_steps`` the density rises
+    geometrically to ``cooldown_density`` (then stays there); before, the target. The engine
+    sends that many entries: counted from the statistics, step by step."""
+    from hvd_sparse.dgc import cooldown_density
+
+    sched = [cooldown_density(t, 0.01, 0.1, 100, 10) for t in range(105)]
+    assert sched[:90] == [0.01] * 90 and sched[99] == pytest.approx(0.1)
+    assert all(b > a for a, b in zip(sched[89:100], sched[90:100]))
+    assert sched[104] == pytest.approx(0.1)  # past the run's end: the final density
+    assert cooldown_density(50, 0.01, 0.1, None, 10) == 0.01
+    m = _net()
+    opt = _wrap(m, density=0.05, total_steps=6, density_cooldown_steps=2, cooldown_density=0.5,
+                bidirectional=False)
+    n = sum(p.numel() for p in m.parameters())
+    sent = []
+    for step in range(6):
+        _train(m, opt, 1, seed=step)
+        sent.append(opt.communication_stats()["selected"])
+    base = sent[0]
+    assert sent[:4] == [base] * 4 and base < 0.06 * n
+    assert base < sent[4] < sent[5] and sent[5] >= 0.45 * n
+
+
+def test_density_cooldown_needs_the_runs_length():
+    with pytest.raises(ValueError, match="needs total_steps"):
+        _wrap(_net(), density_cooldown_steps=10)
+    with pytest.raises(ValueError, match="cooldown_density"):
+        _wrap(_net(), total_steps=10, density_cooldown_steps=2, cooldown_density=1.5)
+    with pytest.raises(ValueError, match="total_steps"):
+        _wrap(_net(), total_steps=0)
+    _wrap(_net(), sparsifier="topk", total_steps=10)  # a run length any method accepts

@@ -6,6 +6,7 @@ the first exchange). ``set_backward_passes_per_step`` replaces the object rather
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -58,6 +59,9 @@ class EngineConfig:
     momentum_correction: float = 0.0
     local_clip_norm: Optional[float] = None
     density_warmup_steps: int = 0
+    total_steps: Optional[int] = None  # the run's length in optimizer steps, where known
+    density_cooldown_steps: int = 0  # the last steps of total_steps, density rising ...
+    cooldown_density: float = 0.1  # ... geometrically to this (dgc.cooldown_density)
     dense_warmup_steps: int = 0
     local_steps: int = 1
     exchange: str = "gradient"  # or "update": each rank's optimizer step is what is exchanged
@@ -105,6 +109,15 @@ def _nonneg_int(name, value, minimum=0):
     return value
 
 
+def _takes(sparsifier, keyword) -> bool:
+    """Does the method named ``sparsifier`` take ``keyword`` (an instance is configured
+    already)?"""
+    from ..sparsifiers import SPARSIFIERS
+
+    cls = SPARSIFIERS.get(sparsifier.lower()) if isinstance(sparsifier, str) else None
+    return cls is not None and keyword in inspect.signature(cls.__init__).parameters
+
+
 def _compressor(compression):
     if compression is None:
         return Compression.none
@@ -118,7 +131,8 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
                  sparse_as_dense, density, bidirectional, downlink_density, sparsifier,
                  threshold, total_steps, min_density, max_density, sparsifier_options,
                  index_coding, momentum_correction, local_clip_norm, density_warmup_steps,
-                 dense_warmup_steps, local_steps, track_error, exchange, deterministic_dense,
+                 dense_warmup_steps, local_steps, density_cooldown_steps=0,
+                 cooldown_density=0.1, track_error, exchange, deterministic_dense,
                  dense_fallback, cost_model, calibration_steps, recalibrate_every, value_dtype,
                  nonfinite, verify_every, check_config, collective="auto",
                  sharded_selection="global", rebalance_every=100) -> EngineConfig:
@@ -150,11 +164,21 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         raise ValueError("backward_passes_per_step must be > 0")
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
+    if total_steps is not None:
+        _nonneg_int("total_steps", total_steps, 1)
+    _nonneg_int("density_cooldown_steps", density_cooldown_steps)
+    cooldown_density = _density("cooldown_density", cooldown_density)
+    if density_cooldown_steps and total_steps is None:
+        raise ValueError("density_cooldown_steps needs total_steps, the run's length in "
+                         "optimizer steps: the cool-down takes the last density_cooldown_steps "
+                         "of it")
     method_options = dict(sparsifier_options or {})
-    for key, value in (("threshold", threshold), ("total_steps", total_steps),
-                       ("min_density", min_density), ("max_density", max_density)):
+    for key, value in (("threshold", threshold), ("min_density", min_density),
+                       ("max_density", max_density)):
         if value is not None:
             method_options[key] = value
+    if total_steps is not None and _takes(sparsifier, "total_steps"):
+        method_options["total_steps"] = total_steps  # adaptive plans its budget over the run
     up = make_sparsifier(sparsifier, **method_options)
     # The downlink gets its own instance: a stateful method keeps separate state per direction.
     down = copy.deepcopy(up)
@@ -202,7 +226,8 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
         index_coding=index_coding, momentum_correction=float(momentum_correction),
         local_clip_norm=local_clip_norm, density_warmup_steps=density_warmup_steps,
-        dense_warmup_steps=dense_warmup_steps, local_steps=local_steps, exchange=exchange,
+        total_steps=total_steps, density_cooldown_steps=density_cooldown_steps,
+        cooldown_density=cooldown_density, dense_warmup_steps=dense_warmup_steps, local_steps=local_steps, exchange=exchange,
         track_error=bool(track_error), deterministic_dense=bool(deterministic_dense),
         cost_model=cost_model, calibration_steps=calibration_steps,
         recalibrate_every=recalibrate_every, value_dtype=value_dtype, nonfinite=nonfinite,

@@ -32,7 +32,7 @@ import torch
 
 from .. import aggregation, checkpoint, costmodel, kernels, safety, wire
 from ..compat import Compression
-from ..dgc import clip_local, warmup_density
+from ..dgc import clip_local, cooldown_density, warmup_density
 from ..kernels import cpu, select as fused
 from ..sparsifiers import SelectionContext
 from ..stats import CommunicationStats
@@ -123,9 +123,15 @@ class Engine:
                                 direction=direction, watch=watch)
 
     def densities(self):
+        """This step's (uplink, downlink) density: the targets, or on the warm-up's and the
+        cool-down's schedules (the higher of the two where they meet)."""
         c = self.config
-        return (warmup_density(self.steps, c.density, c.density_warmup_steps),
-                warmup_density(self.steps, c.downlink_density, c.density_warmup_steps))
+        up = cooldown_density(self.steps, c.density, c.cooldown_density, c.total_steps,
+                              c.density_cooldown_steps)
+        down = min(1.0, c.downlink_density * (up / c.density))
+        return (max(up, warmup_density(self.steps, c.density, c.density_warmup_steps)),
+                max(down, warmup_density(self.steps, c.downlink_density,
+                                         c.density_warmup_steps)))
 
     def describe(self) -> dict:
         """What must be the same on every rank (compared before the first exchange)."""
