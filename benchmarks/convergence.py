@@ -108,6 +108,8 @@ def levers(steps):
         # budget (10% of dense): DGC's density warm-up, or the first 10 steps dense
         "topk1%-update-unidirectional-warmup": ["--density", "0.01", *update,
                                                 "--no-bidirectional", *warm],
+        "topk1%-update-unidirectional-warmup-cooldown": ["--density", "0.01", *update,
+                                                         "--no-bidirectional", *warm, *cool],
         "topk1%-update-unidirectional-dense10": ["--density", "0.01", *update,
                                                  "--no-bidirectional",
                                                  "--dense-warmup-steps", "10"],
