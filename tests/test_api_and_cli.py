@@ -181,6 +181,21 @@ def test_cli_defaults_for_adaptive_updates(base, exchange, given, want):
     assert (args.bidirectional, args.density_warmup_steps) == want
 
 
+@pytest.mark.parametrize("argv, want", [
+    ([], 30),  # the last 10% of a 300-step sparse run
+    (["--density-cooldown-steps", "0"], 0),
+    (["--density-cooldown-steps", "12"], 12),
+    (["--optimizer", "dense"], 0),
+])
+def test_cli_density_cooldown_default(argv, want):
+    from hvd_sparse.train.__main__ import cooldown_default, parse_args
+
+    args = parse_args(argv)
+    args.total_steps = 300
+    cooldown_default(args)
+    assert args.density_cooldown_steps == want
+
+
 def test_progress_lines_every_five_percent():
     from hvd_sparse.train.__main__ import _progress_due
 
