@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -204,6 +205,13 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
     _nonneg_int("verify_every", verify_every)
     if exchange not in EXCHANGES or exchange == "auto":
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if density_cooldown_steps and (local_steps > 1 or exchange == "update"):
+        warnings.warn(
+            "density_cooldown_steps with weight updates exchanged (exchange='update' or "
+            "local_steps > 1): the residuals then hold weight changes made at past learning "
+            "rates, and releasing them at the end of a decaying schedule can undo training (a "
+            "character Transformer with AdamW at density 0.001 diverged in its last steps); the "
+            "cool-down is meant for gradient exchange", UserWarning, stacklevel=3)
     if (local_steps > 1 or exchange == "update") and backward_passes_per_step != 1:
         raise ValueError("exchanging weight updates (local_steps > 1 or exchange='update') and "
                          "backward_passes_per_step > 1 cannot be combined")

@@ -68,7 +68,8 @@ def parse_args(argv=None):
                         "exchanged; see adaptive_defaults)")
     p.add_argument("--density-cooldown-steps", type=int, default=None,
                    help="density rises geometrically to --cooldown-density over this many last "
-                        "steps of the run (default: 10%% of the run; see run_defaults)")
+                        "steps of the run (default: 10%% of the run where gradients are "
+                        "exchanged; see cooldown_default)")
     p.add_argument("--cooldown-density", type=float, default=0.1)
     p.add_argument("--dense-warmup-steps", type=int, default=0)
     p.add_argument("--momentum-correction", action="store_true",
@@ -160,14 +161,19 @@ def adaptive_defaults(args, base) -> None:
         args.density_warmup_steps = max(1, args.total_steps // 10) if updates else 0
 
 
-def cooldown_default(args) -> None:
-    """Fill ``--density-cooldown-steps`` where not given: the last 10% of the run for every
-    sparse run, which only the run's length makes possible (the library's own default is 0).
-    The convergence study (README) measured it on the LSTM with SGD, the Transformer with AdamW
-    and the ResNet."""
+def cooldown_default(args, base) -> None:
+    """Fill ``--density-cooldown-steps`` where not given: the last 10% of the run where
+    gradients are exchanged (which only the run's length makes possible; the library's own
+    default is 0). Char-LSTM with SGD, 900 steps, 3 seeds: +1.4% validation loss against dense
+    instead of +2.8%; the Fashion-MNIST ResNet unchanged (README). Not where weight updates are
+    exchanged: their residuals hold changes made at past learning rates, and released at the
+    end of a decaying schedule they undid the Transformer's training at 0.1% density."""
+    from hvd_sparse.engine.config import resolve_exchange
+
     if args.density_cooldown_steps is None:
-        args.density_cooldown_steps = max(1, args.total_steps // 10) \
-            if args.optimizer == "sparse" else 0
+        grads = (args.optimizer == "sparse"
+                 and resolve_exchange(args.exchange, base, 1, 1) == "gradient")
+        args.density_cooldown_steps = max(1, args.total_steps // 10) if grads else 0
 
 
 def build_optimizer(args, model, base, hvd):
@@ -237,7 +243,7 @@ def main(argv=None):
     schedule = _schedule(base, args.warmup_steps, args.total_steps) \
         if args.base_optimizer == "adamw" else None
     adaptive_defaults(args, base)
-    cooldown_default(args)
+    cooldown_default(args, base)
     opt = build_optimizer(args, model, base, hvd)
     if args.optimizer != "local":
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
