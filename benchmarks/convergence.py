@@ -99,6 +99,7 @@ def levers(steps):
             "--density", "0.01", *grad, "--momentum-correction", "--scope", "model", *warm,
             "--no-bidirectional"],
         # the density cool-down over the last 10% of the run, up to 10% (hvd_sparse.dgc)
+        "topk1%-grad-cooldown": ["--density", "0.01", *grad, *cool],
         "topk1%-grad-momcorr-global-warmup-cooldown": ["--density", "0.01", *grad,
                                                        "--momentum-correction", "--scope",
                                                        "model", *warm, *cool],
