@@ -245,29 +245,39 @@ def seeds(results):
 
 
 def plot(results, path):
+    """Validation loss against steps and against bytes, seed 0 at 2 ranks: one row per workload
+    at the default length, and one per workload and longer run (names ending ``@<n>steps``)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = sorted({n.split("/")[0] for n in results})
-    fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 4 * len(tasks)), squeeze=False)
-    for row, task in enumerate(tasks):
-        for name, run in results.items():
-            if not name.startswith(task + "/") or "@" in name:
-                continue  # the curves of the main setting (seed 0, 2 ranks)
-            recs = run["records"]
-            label = name.split("/", 1)[1]
-            axes[row][0].plot([r["steps"] for r in recs], [r["valid_loss"] for r in recs], "-o",
-                              label=label)
-            axes[row][1].plot([r["bytes_sent"] / 2**20 for r in recs],
-                              [r["valid_loss"] for r in recs], "-o", label=label)
-        axes[row][0].set(title=f"{task}: validation loss vs steps", xlabel="step",
-                         ylabel="validation loss")
-        axes[row][1].set(title=f"{task}: vs bytes sent per rank", xlabel="MiB sent",
-                         xscale="log")
-        axes[row][0].legend(fontsize=8)
+    rows = {}
+    for name, run in results.items():
+        task, _, suffix = name.partition("@")
+        tags = suffix.split("@") if suffix else []
+        if any(t.startswith("seed") or t.endswith("ranks") for t in tags):
+            continue  # the curves of the main setting (seed 0, 2 ranks)
+        row = task.split("/")[0] + "".join("@" + t for t in tags)
+        rows.setdefault(row, []).append((task.split("/", 1)[1], run["records"]))
+    fig, axes = plt.subplots(len(rows), 2, figsize=(15, 4.2 * len(rows)), squeeze=False)
+    for ax_row, (row, runs) in zip(axes, sorted(rows.items())):
+        dense = [recs for label, recs in runs if label == "dense"]
+        # diverged runs would squash the others: the axis stops at 1.5x dense's first value
+        top = 1.5 * dense[0][0]["valid_loss"] if dense else None
+        for label, recs in runs:
+            ax_row[0].plot([r["steps"] for r in recs], [r["valid_loss"] for r in recs], "-o",
+                           ms=3, label=label)
+            ax_row[1].plot([r["bytes_sent"] / 2**20 for r in recs],
+                           [r["valid_loss"] for r in recs], "-o", ms=3, label=label)
+        ax_row[0].set(title=f"{row}: validation loss vs steps", xlabel="step",
+                      ylabel="validation loss")
+        ax_row[1].set(title=f"{row}: vs bytes sent per rank", xlabel="MiB sent", xscale="log")
+        if top:
+            for ax in ax_row:
+                ax.set_ylim(top=top)
+        ax_row[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
