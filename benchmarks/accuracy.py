@@ -12,6 +12,7 @@ wall-clock time and against bytes sent.
 from __future__ import annotations
 
 import argparse
+import json
 
 from common import RESULTS, machine, save, slownet, train_run
 
@@ -63,11 +64,17 @@ def main():
     p.add_argument("--lstm-steps", type=int, default=300)
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--out", default="accuracy", help="results name (JSON and PNG)")
+    p.add_argument("--seed", type=int, default=0, help="the training CLI's --seed (names get "
+                                                        "@seed<n> unless 0)")
     args = p.parse_args()
-    results = {}
+    path = RESULTS / f"{args.out}.json"
+    # runs already in the file stay (a run named again is replaced)
+    results = json.loads(path.read_text())["runs"] if path.exists() else {}
     for name, extra in runs(args).items():
         if args.only and name not in args.only:
             continue
+        if args.seed:
+            name, extra = f"{name}@seed{args.seed}", extra + ["--seed", str(args.seed)]
         results[name] = train_run(name, extra, launcher=slownet(args.rate, args.ranks),
                                   timeout=5400)
         last = results[name][-1]
