@@ -57,3 +57,12 @@ def test_threshold_total_error_is_reported(runs):
     for r in runs:
         assert r["threshold"]["total_error"] > 0
         assert r["threshold"]["stats"]["target"] == r["threshold"]["stats"]["selected"]
+
+
+def test_density_cooldown_raises_the_count_on_every_rank(runs):
+    """topk_dgc's cool-down (steps 20-59 of total_steps=60, 0.05 -> 0.2): the same count on
+    every rank at every step, four times the target's by the end."""
+    counts = [r["topk_dgc"]["counts"] for r in runs]
+    assert all(c == counts[0] for c in counts)
+    c = counts[0]
+    assert c[-1] > 3 * min(c) and c[-1] == c[-2]  # at the final density, and kept there

@@ -79,8 +79,10 @@ def configs():
         # random-k with error feedback carries stale mass ~1/density steps: no base momentum
         "randomk": dict(sparsifier="randomk", density=0.2, _momentum=0.0),
         "sbc_delay": dict(sparsifier="sbc", local_steps=4, density=0.1),
+        # with the density cool-down over steps 20-59 (the resume below checkpoints in it)
         "topk_dgc": dict(sparsifier="topk", momentum_correction=0.9, local_clip_norm=5.0,
-                         density_warmup_steps=20, dense_warmup_steps=5),
+                         density_warmup_steps=20, dense_warmup_steps=5, total_steps=60,
+                         density_cooldown_steps=40, cooldown_density=0.2),
     }
 
 
