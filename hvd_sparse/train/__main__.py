@@ -167,9 +167,8 @@ def cooldown_default(args, base) -> None:
     default is 0). Char-LSTM with SGD, 900 steps: +7.1% validation loss against dense instead of
     +9.1% with the other defaults, +1.3% instead of +2.8% (3 seeds) with momentum correction,
     one global Top-K and the warm-up; the Fashion-MNIST ResNet unchanged (README). Not where
-    weight updates are
-    exchanged: their residuals hold changes made at past learning rates, and released at the
-    end of a decaying schedule they undid the Transformer's training at 0.1% density."""
+    weight updates are exchanged: their residuals hold changes made at past learning rates, and
+    released at the end of a decaying schedule they undid the Transformer's training at 0.1%."""
     from hvd_sparse.engine.config import resolve_exchange
 
     if args.density_cooldown_steps is None:
