@@ -181,27 +181,6 @@ def test_cli_defaults_for_adaptive_updates(base, exchange, given, want):
     assert (args.bidirectional, args.density_warmup_steps) == want
 
 
-@pytest.mark.parametrize("argv, want", [
-    ([], 30),  # the last 10% of a 300-step sparse run (SGD: gradients exchanged)
-    (["--density-cooldown-steps", "0"], 0),
-    (["--density-cooldown-steps", "12"], 12),
-    (["--optimizer", "dense"], 0),
-    (["--base-optimizer", "adamw"], 0),  # updates exchanged: no cool-down
-    (["--base-optimizer", "adamw", "--exchange", "gradient"], 30),
-    (["--exchange", "update"], 0),
-])
-def test_cli_density_cooldown_default(argv, want):
-    from hvd_sparse.train.__main__ import cooldown_default, parse_args
-
-    args = parse_args(argv)
-    args.total_steps = 300
-    params = [torch.nn.Parameter(torch.zeros(3))]
-    adamw = "adamw" in argv
-    base = torch.optim.AdamW(params) if adamw else torch.optim.SGD(params, lr=0.1)
-    cooldown_default(args, base)
-    assert args.density_cooldown_steps == want
-
-
 def test_progress_lines_every_five_percent():
     from hvd_sparse.train.__main__ import _progress_due
 
