@@ -23,24 +23,21 @@ def runs(args):
           "--steps-per-epoch", str(args.lstm_steps)]
     # 10% of the Fashion-MNIST run (60,000 images, batch 64 per rank), for the density warm-up
     warm = str(max(1, args.epochs * (60000 // (64 * args.ranks)) // 10))
-    # the density cool-down is off in the training CLI; the runs below say so, as they predate
-    # it, unless a run names it
-    no_cool = ["--density-cooldown-steps", "0"]
     return {
         "fashion/dense": fm + ["--optimizer", "dense"],
         # the sparse method itself: the time cost model could send buckets dense
-        "fashion/topk-1%": fm + no_cool + ["--density", "0.01", "--cost-model", "off",
+        "fashion/topk-1%": fm + ["--density", "0.01", "--cost-model", "off",
                                  "--collective", "allgather"],
-        "fashion/topk-0.1%": fm + no_cool + ["--density", "0.001", "--cost-model", "off",
+        "fashion/topk-0.1%": fm + ["--density", "0.001", "--cost-model", "off",
                                    "--collective", "allgather"],
-        "fashion/topk-1%-sharded": fm + no_cool + ["--density", "0.01", "--cost-model", "off",
+        "fashion/topk-1%-sharded": fm + ["--density", "0.01", "--cost-model", "off",
                                          "--collective", "sharded"],
         # the LSTM's best SGD levers (benchmarks/convergence.py) on the ResNet: DGC's momentum
         # correction, alone and with one global Top-K and the density warm-up over 10% of the
         # run (run with --out accuracy_sgd_levers)
-        "fashion/topk-1%-momcorr": fm + no_cool + ["--density", "0.01", "--cost-model", "off",
+        "fashion/topk-1%-momcorr": fm + ["--density", "0.01", "--cost-model", "off",
                                          "--collective", "allgather", "--momentum-correction"],
-        "fashion/topk-1%-momcorr-global-warmup": fm + no_cool + [
+        "fashion/topk-1%-momcorr-global-warmup": fm + [
             "--density", "0.01", "--cost-model", "off", "--collective", "allgather",
             "--momentum-correction", "--scope", "model", "--density-warmup-steps", warm],
         # the density cool-down over the last 10% of the run (an option: it cost the ResNet
@@ -49,9 +46,9 @@ def runs(args):
                                           "--collective", "allgather",
                                           "--density-cooldown-steps", warm],
         "shakespeare/dense": sh + ["--optimizer", "dense"],
-        "shakespeare/topk-1%": sh + no_cool + ["--density", "0.01", "--cost-model", "off",
+        "shakespeare/topk-1%": sh + ["--density", "0.01", "--cost-model", "off",
                                      "--collective", "allgather"],
-        "shakespeare/topk-1%-sharded": sh + no_cool + ["--density", "0.01", "--cost-model", "off",
+        "shakespeare/topk-1%-sharded": sh + ["--density", "0.01", "--cost-model", "off",
                                              "--collective", "sharded"],
     }
 
