@@ -238,3 +238,31 @@ def test_gaussiank_corrects_a_residual_piled_under_the_threshold(ops):
     assert not sel.fallback and sel.passes == 2 and lo <= sel.idx.numel() <= hi
     want = select.gaussiank(reference, None, acc.cpu(), k, lo, hi, 3)
     assert torch.equal(sel.idx.cpu(), want.idx) and torch.equal(sel.values.cpu(), want.values)
+
+
+# ------------------------------------------------------------ streaming zero-fill
+@pytest.mark.parametrize("start,length", [(0, 1 << 20), (3, (1 << 20) + 5), (1, 100)],
+                         ids=["aligned", "unaligned-ends", "small"])
+def test_stream_zero_fills_exactly_its_range_and_moves_the_version(start, length):
+    from hvd_sparse.kernels import stream
+
+    base = torch.randn(start + length + 7)
+    keep = base.clone()
+    view = base[start:start + length]
+    version = view._version
+    assert stream.zero_(view) is view
+    assert torch.count_nonzero(view) == 0
+    assert torch.equal(base[:start], keep[:start])
+    assert torch.equal(base[start + length:], keep[start + length:])
+    assert view._version > version
+
+
+def test_stream_zero_can_be_turned_off(monkeypatch):
+    from hvd_sparse.kernels import stream
+
+    monkeypatch.setattr(stream, "_state", {"fn": None, "tried": False, "engine": None})
+    monkeypatch.setenv("HVD_SPARSE_STREAM_ZERO", "off")
+    assert not stream.available()
+    t = torch.randn(1 << 19)
+    stream.zero_(t)
+    assert torch.count_nonzero(t) == 0

@@ -3,9 +3,12 @@ into a buffer of the engine's own, and the commit is an O(k) write and a buffer 
 bits as the commit pass it replaces (``HVD_SPARSE_ACC_IN_SCAN=off``), every residual as it was
 when another rank's payload says NaN, and the plain path's input intact when a method gives up
 after its scan. Zeroing p.grad in the commit lets the aggregate of a unidirectional exchange be
-summed straight into p.grad: the same bits as the sum in a separate buffer."""
+summed straight into p.grad: the same bits as the sum in a separate buffer. On one thread the
+scan reads a multi-parameter bucket's gradient in its p.grad pieces, with no copy into one
+buffer first: the same bits as the copy."""
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -206,3 +209,104 @@ def test_unidirectional_sum_lands_in_p_grad_exactly(monkeypatch, in_scan):
         with opt.skip_synchronize():
             opt.step()
     assert set(names) == set(after)
+
+
+# ------------------------------------------------ multi-parameter gradients read in pieces
+@pytest.fixture
+def one_thread():
+    """The uplink scan reads a multi-parameter bucket's p.grad pieces only on one thread
+    (several ranks per machine); the reference copies them into one buffer first."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _pieces(sizes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(n, generator=gen) for n in sizes]
+    offsets = [0]
+    for t in parts[:-1]:
+        offsets.append(offsets[-1] + t.numel())
+    return parts, offsets
+
+
+@pytest.mark.parametrize("room", [None, 1], ids=["room", "short"])
+def test_scan_of_pieces_finds_what_the_scan_of_their_concatenation_finds(room):
+    parts, offsets = _pieces([1, 70_001, 33, 0, 40_000, 5], seed=4)
+    g = torch.cat(parts)
+    r = torch.randn(g.numel(), generator=torch.Generator().manual_seed(5)) * 0.5
+    want = cpu.scan(g, r, 2.0, 2.0, expect=g.numel())
+    into = torch.full_like(g, float("nan"))
+    got = cpu.scan_parts([(t.numpy(), off) for t, off in zip(parts, offsets)], r, 2.0, 2.0,
+                         room, into)
+    assert torch.equal(into, g + r)
+    assert got.count == want.count and not got.nonfinite
+    assert got.energy == pytest.approx(want.energy, rel=1e-5)
+    idx, val = cpu.gather(None, None, got)
+    assert torch.equal(idx, want.idx) and torch.equal(val, want.values)
+    pos = np.arange(0, g.numel(), 7, dtype=np.int64)
+    assert np.array_equal(cpu.sample_parts([(t.numpy(), off) for t, off in zip(parts, offsets)],
+                                           r, pos), cpu.sample(g, r, pos))
+
+
+def test_scan_of_pieces_sees_nan():
+    parts, offsets = _pieces([5000, 3000], seed=6)
+    parts[1][17] = float("nan")
+    into = torch.empty(8000)
+    s = cpu.scan_parts([(t.numpy(), off) for t, off in zip(parts, offsets)], torch.zeros(8000),
+                       1.0, 1.0, None, into)
+    assert s.nonfinite
+
+
+def test_group_splits_a_selection_by_parameter_like_a_sort():
+    gen = torch.Generator().manual_seed(7)
+    edges = np.array([0, 10, 10, 500, 2000, 2001, 5000], dtype=np.int64)
+    idx = torch.randperm(5000, generator=gen)[:900]
+    val = torch.randn(900, generator=gen)
+    gidx, gval, starts = cpu.group(idx, val, edges)
+    assert starts[0] == 0 and starts[-1] == 900
+    for j in range(len(edges) - 1):
+        inside = (idx >= int(edges[j])) & (idx < int(edges[j + 1]))
+        a, e = starts[j], starts[j + 1]
+        assert e - a == int(inside.sum())
+        assert torch.equal(gidx[a:e] + int(edges[j]), idx[inside])  # order kept
+        assert torch.equal(gval[a:e], val[inside])
+
+
+@pytest.mark.parametrize("sparsifier", ["topk", "gaussiank", "threshold", "adaptive", "sbc",
+                                        "randomk"])
+def test_pieces_give_the_bits_of_the_copy(with_a_pass, one_thread, sparsifier):
+    kw = dict(scope="model", sparsifier=sparsifier, hidden=3000)  # long enough to sample
+    if sparsifier == "threshold":
+        kw["threshold"] = 1e-3
+    if sparsifier == "adaptive":
+        kw["total_steps"] = 8
+    model, opt, _ = _run(8, **kw)
+    ref_model, ref_opt, _ = with_a_pass(8, **kw)
+    reads = opt.communication_stats()["totals"]["gradient_reads"]
+    if sparsifier == "randomk":  # no fused form: the copy, made on demand
+        assert reads == {"in_pieces": 0, "copied": 8}
+    else:
+        assert reads == {"in_pieces": 8, "copied": 0}
+    assert ref_opt.communication_stats()["totals"]["gradient_reads"]["in_pieces"] == 0
+    assert _same(_bits(model, opt), _bits(ref_model, ref_opt))
+
+
+def test_pieces_with_a_nan_from_another_rank_and_a_method_giving_up(with_a_pass, one_thread):
+    kw = dict(nan_at=[4], nonfinite="propagate", scope="model", hidden=3000)
+    model, opt, history = _run(6, **kw)
+    before, after = history[4]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    ref_model, ref_opt, _ = with_a_pass(6, **kw)
+    assert _same(_bits(model, opt), _bits(ref_model, ref_opt))
+    assert opt.communication_stats()["totals"]["gradient_reads"]["in_pieces"] == 6
+
+    def positive(gen):
+        return torch.rand(16, 40, generator=gen) + 1.0
+
+    kw = dict(scope="model", sparsifier="sbc", density=0.3, data=positive, hidden=600)
+    model, opt, _ = _run(6, **kw)
+    ref_model, ref_opt, _ = with_a_pass(6, **kw)
+    assert _commits(opt)["in_place"] + _commits(opt)["in_scan"] < 6  # some steps went plain
+    assert _same(_bits(model, opt), _bits(ref_model, ref_opt))

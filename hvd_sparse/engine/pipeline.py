@@ -33,7 +33,7 @@ import torch
 from .. import aggregation, checkpoint, costmodel, kernels, safety, wire
 from ..compat import Compression
 from ..dgc import clip_local, cooldown_density, warmup_density
-from ..kernels import cpu, select as fused
+from ..kernels import cpu, select as fused, stream
 from ..sparsifiers import SelectionContext
 from ..stats import CommunicationStats
 from . import agreement, calibration, sharded
@@ -93,6 +93,9 @@ class Engine:
         # fused uplink commits since the start: acc written by the selection's scan
         # ("in_scan") or by a pass after the collective ("in_place")
         self.commits = {"in_scan": 0, "in_place": 0}
+        # multi-parameter gradients: read by the uplink scan in their p.grad pieces, or
+        # copied into one flat buffer first
+        self.gradient_reads = {"in_pieces": 0, "copied": 0}
         # HVD_SPARSE_ACC_IN_SCAN=off: no acc written by the uplink scan, one commit pass after
         # the collective instead (the same bits; saves a spare buffer per one-parameter bucket)
         self._acc_in_scan = os.environ.get("HVD_SPARSE_ACC_IN_SCAN", "on") != "off"
@@ -361,13 +364,20 @@ class Engine:
             self._sparsifier_snapshot = (c.sparsifier.state_dict(),
                                          c.downlink_sparsifier.state_dict())
         given = flat is not None
+        parts = None
         if not given:
-            flat, sparse_ids = self.gradient(b)
+            lazy = self._gradient_parts(b)
+            if lazy is not None:
+                flat, sparse_ids, parts = lazy
+            else:
+                flat, sparse_ids = self.gradient(b)
         name = f"hvd_sparse.{b.index}.{b.name}"
         if c.local_clip_norm is not None:
             flat = clip_local(flat, c.local_clip_norm, self.transport.size())
         dense_mode = self.mode(b)
         if dense_mode:
+            if parts is not None:
+                self._fill(flat, parts)
             with self.clock.stage("dense"):
                 self._launch_dense(b, flat, sparse_ids, name, dense_mode)
             return
@@ -382,15 +392,22 @@ class Engine:
             if st.velocity is None:
                 ops = kernels.ops_for(residual) if flat.dtype == residual.dtype \
                     else kernels.reference
-                accumulating = self._accumulating(st, ops, flat, residual)
+                accumulating = self._accumulating(st, ops, flat, residual, parts)
+                if accumulating is None and parts is not None:
+                    self._fill(flat, parts)
                 sel = sparsifier.fused(accumulating or ops, flat, residual, up_density, ctx)
                 if sel is not None and sel.nonfinite and c.nonfinite == "ignore":
                     sel = None  # NaN/Inf flow on, as the plain path lets them
+        if len(b.params) > 1 and not given:
+            pieces = accumulating is not None and accumulating.read_pieces
+            self.gradient_reads["in_pieces" if pieces else "copied"] += 1
         if sel is not None and sel.nonfinite:
             self._send_nonfinite(b, flat, name, sparse_ids)
             return
         if sel is None:
-            if accumulating is not None and accumulating.written and accumulating.into is flat:
+            if accumulating is not None and accumulating.pending:
+                accumulating.materialize()  # the method decided without a scan
+            elif accumulating is not None and accumulating.written and accumulating.into is flat:
                 # the scan left acc in the engine's own copy: the plain path needs the input
                 flat = self.weight_change(b) if given else self.gradient(b)[0]
                 if c.local_clip_norm is not None:
@@ -404,7 +421,33 @@ class Engine:
             commit = (ops, flat, sel, sent, acc)
         self._send(b, name, sel.idx, wire_values, ctx_codec, sparse_ids, target, None, commit)
 
-    def _accumulating(self, st, ops, flat, residual):
+    def _gradient_parts(self, b):
+        """A multi-parameter bucket's gradient left in its ``p.grad`` pieces for the uplink
+        scan to read (no concatenation pass, see :meth:`_accumulating`): (the flat buffer,
+        still unfilled, sparse ids, [(piece, offset)]), or None where :meth:`gradient`'s
+        copy is needed (one parameter, sparse or non-float32 gradients, clipping, momentum
+        correction, a dense step, threads for the parallel scan)."""
+        c = self.config
+        if len(b.params) < 2 or not self._acc_in_scan or b.dtype != torch.float32 \
+                or c.local_clip_norm is not None or self.mode(b) \
+                or self.state[b.index].velocity is not None \
+                or not cpu.available() or cpu._threads() != 1:
+            return None
+        parts = []
+        for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+            g = p.grad
+            if g is None or g.is_sparse or g.dtype != torch.float32 or g.device.type != "cpu" \
+                    or not g.is_contiguous() or kernels.backend_for(g) != "numba":
+                return None
+            parts.append((g.reshape(-1)[lo:hi], off))
+        flat = self.state[b.index].flat_buffer(b.numel, torch.float32, parts[0][0].device)
+        return flat, frozenset(), parts
+
+    @staticmethod
+    def _fill(flat, parts) -> None:
+        torch.cat([t for t, _ in parts], out=flat)
+
+    def _accumulating(self, st, ops, flat, residual, parts=None):
         """The numba primitives that also write ``acc`` in the selection's scan (see
         :class:`~hvd_sparse.kernels.cpu.AccumulatingOps`), or None: into the engine's own copy
         of the gradient where there is one (a multi-parameter bucket's concatenation, a weight
@@ -414,8 +457,8 @@ class Engine:
         if not self._acc_in_scan or ops is not kernels.cpu or flat.dtype != torch.float32 \
                 or residual.dtype != torch.float32 or flat.numel() != residual.numel():
             return None
-        if flat is st.scratch:
-            return cpu.AccumulatingOps(flat, residual, flat)
+        if flat is st.scratch:  # the gradient in its pieces, or concatenated there
+            return cpu.AccumulatingOps(flat, residual, flat, parts)
         spare = st.spare
         if spare is None or spare.numel() != residual.numel():
             st.spare = spare = torch.empty_like(residual)
@@ -671,7 +714,7 @@ class Engine:
                     else:
                         st.spare, residual.buffer = residual.buffer, acc
                     if job.zeroed:
-                        flat.zero_()
+                        stream.zero_(flat)
                 if self.config.track_error:
                     job.error = self._uplink_error(sel, sent)
                     if job.error is None:  # the backend's scan measured no energy
@@ -719,7 +762,7 @@ class Engine:
                 target = b.params[0].grad.view(-1)
             else:
                 target = st.flat_buffer(b.numel, st.downlink.dtype, device)
-                target.zero_()
+                stream.zero_(target)
             ops = kernels.ops_for(target)
             for p in payloads:  # rank order; indices unique within a payload
                 if p.indices.numel() and watch is not None:
@@ -735,7 +778,8 @@ class Engine:
                 if sel is not None and not sel.nonfinite:
                     fused.commit(ops, None, residual, sel, sel.values)
                     idx, values = sel.idx, sel.values
-                    if not sel.ordered and len(b.params) > 1:  # split by parameter below
+                    if not sel.ordered and len(b.params) > 1 and not self._groups(b, ops, values):
+                        # split by parameter below: in index order, unless a kernel groups it
                         order = torch.argsort(idx)
                         idx, values = idx[order], values[order]
                 else:
@@ -882,7 +926,7 @@ class Engine:
                     st.region_scratch = region = torch.zeros(hi - lo, dtype=st.downlink.dtype,
                                                              device=device)
                 else:
-                    region.zero_()
+                    stream.zero_(region)
             ops = kernels.ops_for(region)
             for p in payloads:  # rank order; indices unique within a payload
                 if p.indices.numel():
@@ -1018,9 +1062,16 @@ class Engine:
             ops.scatter_add(anchor, idx, values.to(anchor.dtype), 1.0)
             return self._restore_anchor(b)
         single = len(b.params) == 1
-        for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+        grouped = None
+        if not single and self._groups(b, ops, values):
+            edges = self.state[b.index].edges(b.offsets, b.numel)
+            grouped = cpu.group(idx, values, edges)
+        for j, (p, off, (lo, hi)) in enumerate(zip(b.params, b.offsets, b.slices)):
             if single:
                 sub_idx, sub_val = idx, values
+            elif grouped is not None:
+                a, e = grouped[2][j], grouped[2][j + 1]
+                sub_idx, sub_val = grouped[0][a:e], grouped[1][a:e]
             else:
                 bounds = torch.tensor([off, off + hi - lo], dtype=idx.dtype, device=idx.device)
                 a, e = torch.searchsorted(idx, bounds).tolist()
@@ -1034,8 +1085,14 @@ class Engine:
                 continue
             seg = p.grad.view(-1)[lo:hi]
             if not zeroed:
-                seg.zero_()
+                stream.zero_(seg)
             ops.set_at(seg, sub_idx, sub_val)
+
+    @staticmethod
+    def _groups(b, ops, values) -> bool:
+        """Does the numba kernel split this bucket's selection by parameter (no sort)?"""
+        return ops is cpu and values.dtype == torch.float32 and len(b.params) > 1 \
+            and values.device.type == "cpu"
 
     def _write_dense(self, b, out, sparse_ids, write):
         if write == "delta":

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+import numpy as np
 import torch
 
 from ..aggregation import accumulation_dtype
@@ -41,12 +42,21 @@ class BucketState:
     # acc written by the uplink scan of a one-parameter bucket (Engine._accumulating), which
     # swaps with the residual at the commit; not state: no information between steps
     spare: Optional[torch.Tensor] = None
+    param_edges: Optional[np.ndarray] = None  # where each parameter starts, then the length
+
 
     @classmethod
     def for_bucket(cls, b, momentum_correction: float) -> "BucketState":
         dtype = accumulation_dtype(b.dtype)
         return cls(Residual(b.numel, dtype), Residual(b.numel, dtype),
                    MomentumCorrection(momentum_correction) if momentum_correction else None)
+
+    def edges(self, offsets, numel) -> np.ndarray:
+        """The parameters' start offsets in the flat bucket, then its length (int64), made
+        once: what :func:`~hvd_sparse.kernels.cpu.group` splits a selection by."""
+        if self.param_edges is None:
+            self.param_edges = np.array(list(offsets) + [numel], dtype=np.int64)
+        return self.param_edges
 
     def flat_buffer(self, numel, dtype, device) -> torch.Tensor:
         """A flat buffer kept across steps (no full-size allocation per step)."""

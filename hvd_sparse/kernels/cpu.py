@@ -373,6 +373,32 @@ if HAVE_NUMBA:
         return out_idx[:p], out_val[:p], cut
 
     @njit(cache=True)
+    def _group(idx, vals, edges):
+        """Entries grouped by the range ``[edges[j], edges[j + 1])`` holding their index, in
+        their order within a group, indices made relative to the range's start: a counting
+        sort, O(m log ranges). Returns (indices, values, where each group starts)."""
+        m = idx.size
+        groups = edges.size - 1
+        which = np.empty(m, dtype=np.int64)
+        starts = np.zeros(groups + 1, dtype=np.int64)
+        for j in range(m):
+            w = np.searchsorted(edges, idx[j], side="right") - 1
+            which[j] = w
+            starts[w + 1] += 1
+        for w in range(groups):
+            starts[w + 1] += starts[w]
+        fill = starts[:groups].copy()
+        out_idx = np.empty(m, dtype=np.int64)
+        out_val = np.empty(m, dtype=vals.dtype)
+        for j in range(m):
+            w = which[j]
+            q = fill[w]
+            out_idx[q] = idx[j] - edges[w]
+            out_val[q] = vals[j]
+            fill[w] = q + 1
+        return out_idx, out_val, starts
+
+    @njit(cache=True)
     def _set_at(target, idx, vals):
         for j in range(idx.size):
             target[idx[j]] = vals[j]
@@ -502,6 +528,49 @@ def scan(g, r, t_hi, t_lo, expect=None, into=None) -> Scan:
                 (gn, rn, thi, tlo, counts))
 
 
+def scan_parts(parts, r, t_hi, t_lo, expect, into) -> Scan:
+    """:func:`scan` of ``acc = g + r`` where ``g`` lies in pieces (a bucket's ``p.grad``, each
+    with its offset in the bucket: ``(numpy float32 array, offset)``, in order, covering it),
+    writing ``acc`` into ``into``: the concatenation of the pieces is never made. On the
+    calling thread (numba cannot run a Python list of arrays in parallel)."""
+    rn, into_n = _np(r), _np(into)
+    n = rn.size
+    thi, tlo = np.float32(t_hi), np.float32(t_lo)
+    room = (n // 32 if expect is None else 2 * int(expect)) + 4096
+    caps = np.array([-(-room * g.size // max(n, 1)) + BLOCK for g, _ in parts], dtype=np.int64)
+    starts = np.zeros(len(parts), dtype=np.int64)
+    np.cumsum(caps[:-1], out=starts[1:])
+    out_idx = np.empty(int(caps.sum()), dtype=np.int64)
+    out_val = np.empty(int(caps.sum()), dtype=np.float32)
+    counts = np.empty(len(parts), dtype=np.int64)
+    energy = 0.0
+    for j, (g, off) in enumerate(parts):
+        hi = off + g.size
+        counts[j], e = _scan_chunk(g, rn[off:hi], thi, tlo, off, out_idx, out_val, starts[j],
+                                   caps[j], into_n[off:hi])
+        energy += e
+    count = int(counts.sum())
+    if not (counts <= caps).all():  # the room was short: acc is written, scan it alone
+        s = scan(None, into, t_hi, t_lo, count)
+        return s._replace(energy=energy, nonfinite=not np.isfinite(energy))
+    idx = np.concatenate([out_idx[a:a + c] for a, c in zip(starts, counts)])
+    val = np.concatenate([out_val[a:a + c] for a, c in zip(starts, counts)])
+    return Scan(count, not np.isfinite(energy), energy, torch.from_numpy(idx),
+                torch.from_numpy(val), True, (None, into_n, thi, tlo, counts))
+
+
+def sample_parts(parts, r, positions: np.ndarray) -> np.ndarray:
+    """:func:`sample` where ``g`` lies in pieces (see :func:`scan_parts`); ``positions``
+    ascending."""
+    rn = _np(r)
+    out = rn[positions].copy()
+    for g, off in parts:
+        a, e = np.searchsorted(positions, [off, off + g.size])
+        if e > a:
+            out[a:e] += g[positions[a:e] - off]
+    return out
+
+
 class AccumulatingOps:
     """These primitives for one uplink selection from ``acc = g + r``, whose first scan of
     ``(g, r)`` also writes ``acc`` into ``into``: the uplink commit is then the O(k) write of
@@ -511,32 +580,71 @@ class AccumulatingOps:
     reads. ``written`` says whether it happened (a method may decide without a scan, or give
     up after one and take the plain path)."""
 
-    def __init__(self, g, r, into):
+    def __init__(self, g, r, into, parts=None):
         self.g, self.r, self.into = g, r, into
         self.written = False
+        # ``g`` (= ``into``) not filled yet: the gradient lies in these pieces, (tensor,
+        # offset) in order, which the first scan reads instead of their concatenation
+        self.parts = parts
+        self.read_pieces = False  # whether the first scan read them
+
+    @property
+    def pending(self) -> bool:
+        """Is ``g`` still to be filled from its pieces?"""
+        return self.parts is not None
+
+    def materialize(self) -> None:
+        """Concatenate the pieces into ``g`` (for whatever reads ``g`` other than a scan)."""
+        if self.parts is not None:
+            torch.cat([t.reshape(-1) for t, _ in self.parts], out=self.g)
+            self.parts = None
 
     def __getattr__(self, attr):  # every other primitive is the module's own
         try:
-            return globals()[attr]
+            fn = globals()[attr]
         except KeyError:
             raise AttributeError(attr) from None
+        if not callable(fn) or isinstance(fn, type):
+            return fn
+
+        def reading_g(*args, **kwargs):
+            if self.parts is not None and any(a is self.g for a in args):
+                self.materialize()
+            return fn(*args, **kwargs)
+        return reading_g
 
     def _reads(self, g, r):
         if self.written and g is self.g and r is self.r:
             return None, self.into
         return g, r
 
+    def _pieces(self):
+        return [(_np(t).reshape(-1), off) for t, off in self.parts]
+
     def scan(self, g, r, t_hi, t_lo, expect=None):
         if not self.written and g is self.g and r is self.r:
-            s = scan(g, r, t_hi, t_lo, expect, into=self.into)
+            if self.parts is not None:
+                s = scan_parts(self._pieces(), r, t_hi, t_lo, expect, self.into)
+                self.parts, self.read_pieces = None, True
+            else:
+                s = scan(g, r, t_hi, t_lo, expect, into=self.into)
             self.written = True
             return s
+        if g is self.g and self.parts is not None:
+            self.materialize()
         return scan(*self._reads(g, r), t_hi, t_lo, expect)
 
     def sample(self, g, r, positions):
+        if self.parts is not None and g is self.g and r is self.r \
+                and bool((np.diff(positions) > 0).all()):
+            return sample_parts(self._pieces(), r, positions)
+        if g is self.g:
+            self.materialize()
         return sample(*self._reads(g, r), positions)
 
     def kth_magnitude(self, g, r, k):
+        if g is self.g:
+            self.materialize()
         return kth_magnitude(*self._reads(g, r), k)
 
 
@@ -673,6 +781,15 @@ def largest(idx, val, k, bound):
     """Entries of (idx, val), in any order, with ``|v|`` at or above ``bound`` and among the
     k largest (ties kept), with the resulting cut: (indices, values, cut)."""
     return _largest(idx, val, k, np.float32(bound))
+
+
+def group(idx, vals, edges: np.ndarray):
+    """Split a selection (int64 indices in any order, float32 values) by the ranges between
+    ``edges`` (ascending int64, first 0, last the length), e.g. a bucket's parameters: no
+    sort. Returns (indices relative to each range, values, starts: group j is
+    ``[starts[j], starts[j + 1])``), torch tensors and a numpy array."""
+    out_idx, out_val, starts = _group(idx.numpy(), vals.contiguous().numpy(), edges)
+    return torch.from_numpy(out_idx), torch.from_numpy(out_val), starts
 
 
 def set_at(target, idx, vals) -> None:
