@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/engine.py [--sizes 11.4e6 100e6] [--ranks 2 4] [--device cpu]
 
-No autograd and no network: one parameter of N entries gets a fresh gradient each step and
+No autograd and no network: one parameter of N entries (or ``--pieces`` parameters sharing
+one bucket, as most models' buckets hold several) gets a fresh gradient each step and
 ``synchronize()`` runs the whole engine (uplink select, encode, the collective, decode, uplink
 commit, aggregate, downlink select, write). The collective is a stand-in transport that returns
 this rank's payload followed by P - 1 payloads synthesised beforehand (Top-K-like: k random
@@ -99,10 +100,37 @@ def calibrated_threshold(grads, density, steps, sample=1 << 20):
     return math.exp(hi)
 
 
-def build(n, ranks, density, device, steps, sparsifier):
-    """An optimizer over one parameter of ``n`` entries on the synthesised transport, and three
-    gradients to cycle through (shared with benchmarks/profile_engine.py)."""
-    p = torch.nn.Parameter(torch.zeros(n, device=device))
+class Pieces:
+    """The parameters of one multi-parameter bucket, taking a flat gradient as one parameter
+    does (``p.grad = flat``): each gets its slice, as a view."""
+
+    def __init__(self, params):
+        self.params = params
+
+    @property
+    def grad(self):
+        return torch.cat([p.grad.reshape(-1) for p in self.params])
+
+    @grad.setter
+    def grad(self, flat):
+        off = 0
+        for p in self.params:
+            p.grad = flat[off:off + p.numel()].view_as(p)
+            off += p.numel()
+
+
+def build(n, ranks, density, device, steps, sparsifier, pieces=1):
+    """An optimizer over one parameter of ``n`` entries (or ``pieces`` parameters in one
+    bucket) on the synthesised transport, and three gradients to cycle through (shared with
+    benchmarks/profile_engine.py)."""
+    if pieces > 1:
+        sizes = [n // pieces + (i < n % pieces) for i in range(pieces)]
+        params = [torch.nn.Parameter(torch.zeros(m, device=device)) for m in sizes]
+        p = Pieces(params)
+        named = [(f"w{i}", q) for i, q in enumerate(params)]
+    else:
+        p = torch.nn.Parameter(torch.zeros(n, device=device))
+        params, named = [p], [("w", p)]
     transport = SynthesisedTransport(ranks, {})
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(n, generator=gen).to(device) * 0.01 for _ in range(3)]
@@ -110,10 +138,9 @@ def build(n, ranks, density, device, steps, sparsifier):
         if sparsifier == "threshold" else \
         {"total_steps": steps + 2} if sparsifier == "adaptive" else {}
     opt = hvd_sparse.DistributedOptimizer(
-        torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)], density=density,
+        torch.optim.SGD(params, lr=0.0), named_parameters=named, density=density,
         sparsifier=sparsifier, cost_model="off", collective="allgather", check_config=False,
-        transport=transport,
-        **extra)
+        transport=transport, scope="model", **extra)
     (name, view), = opt.engine_state().items()
     k = max(1, int(density * n))
     transport.others[f"hvd_sparse.0.{name}"] = synthesise(
@@ -121,8 +148,8 @@ def build(n, ranks, density, device, steps, sparsifier):
     return opt, p, grads
 
 
-def bench(n, ranks, density, device, steps, sparsifier):
-    opt, p, grads = build(n, ranks, density, device, steps, sparsifier)
+def bench(n, ranks, density, device, steps, sparsifier, pieces=1):
+    opt, p, grads = build(n, ranks, density, device, steps, sparsifier, pieces)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times = []
     for step in range(steps + 2):
@@ -150,7 +177,7 @@ def bench(n, ranks, density, device, steps, sparsifier):
     floor = timeit(lambda: dst.copy_(src), repeat=5, sync=sync if device == "cuda" else None)
     median = sorted(times)[len(times) // 2]
     return {"n": n, "ranks": ranks, "density": density, "device": device,
-            "sparsifier": sparsifier, "engine_s": median, "engine_s_all": times,
+            "sparsifier": sparsifier, "pieces": pieces, "engine_s": median, "engine_s_all": times,
             "budget_bytes_per_entry": budget, "downlink_selections": paths,
             "floor_s": floor, "over_floor": median / floor, "stage_s": stages,
             "uplink_density": density}
@@ -162,7 +189,8 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
-    labels = [f"{r['sparsifier']}\n{r['n'] / 1e6:.1f}M P={r['ranks']}" for r in rows]
+    labels = [f"{r['sparsifier']}\n{r['n'] / 1e6:.1f}M P={r['ranks']}"
+              + (f"\n{r['pieces']} params" if r.get("pieces", 1) > 1 else "") for r in rows]
     stacked_stages(ax, labels, [r["stage_s"] for r in rows])
     ax.scatter(labels, [r["floor_s"] * 1e3 for r in rows], marker="_", s=600, color="k",
                label="pass-budget floor (copy)", zorder=3)
@@ -183,18 +211,23 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pieces", nargs="+", type=int, default=[1, 40],
+                    help="parameters sharing the bucket; beyond 1, Top-K at the first rank "
+                         "count only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu.warm_up()
     rows = []
     for n in args.sizes:
         for ranks in args.ranks:
-            for sp in args.sparsifiers:
-                if sp != "topk" and ranks != args.ranks[0]:
+            for sp, pieces in [(sp, q) for q in args.pieces for sp in args.sparsifiers]:
+                if (sp != "topk" and ranks != args.ranks[0]) \
+                        or (pieces > 1 and (sp != "topk" or ranks != args.ranks[0])):
                     continue
-                row = bench(int(n), ranks, args.density, args.device, args.steps, sp)
+                row = bench(int(n), ranks, args.density, args.device, args.steps, sp, pieces)
                 rows.append(row)
-                print(f"{sp:9} n={int(n):>11,} P={ranks}: engine {row['engine_s'] * 1e3:7.1f} ms"
+                print(f"{sp:9} n={int(n):>11,} P={ranks} params={pieces}: "
+                      f"engine {row['engine_s'] * 1e3:7.1f} ms"
                       f"  floor {row['floor_s'] * 1e3:6.1f} ms  ({row['over_floor']:.2f}x)  "
                       f"sent {row['uplink_density']:.2%}  "
                       + " ".join(f"{k}={v * 1e3:.1f}" for k, v in row["stage_s"].items() if v),

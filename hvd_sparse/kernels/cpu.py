@@ -833,6 +833,18 @@ def warm_up() -> None:
             own = g.clone()  # the uplink's scans that write acc: into a spare, in place
             select.topk(AccumulatingOps(g, r, torch.empty_like(r)), g, r, 100)
             select.topk(AccumulatingOps(own, r, own), own, r, 100)
+            pieces = [(g[:1000], 0), (g[1000:], 1000)]
+            select.topk(AccumulatingOps(own, r, own, pieces), own, r, 100)
+            group(torch.arange(10), torch.ones(10), np.array([0, 4, 10], dtype=np.int64))
+            # the downlink watch's primitives (kernels/watch.py)
+            idx, val = np.arange(0, 1000, 3, dtype=np.int64), np.linspace(-1, 1, 334,
+                                                                          dtype=np.float32)
+            scatter_add(r, torch.from_numpy(idx), torch.from_numpy(val), 1.0, read=True)
+            mark = position_marks(r.numel())
+            candidates([(idx, val)], 0.5, mark)
+            pick_unordered(idx, val, 10)
+            outside(idx, val, idx[:5], mark)
+            largest(idx, val, 10, 0.1)
         finally:
             torch.set_num_threads(old)
     from .. import golomb
