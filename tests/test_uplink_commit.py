@@ -112,7 +112,9 @@ def test_scan_writes_acc_and_finds_the_same_candidates(into_g, symmetric):
     into = g.clone() if into_g else torch.full((n,), float("nan"))
     got = cpu.scan(into if into_g else g, r, t_hi, t_lo, expect=n, into=into)
     assert torch.equal(into, acc)
-    assert got.count == want.count and got.energy == want.energy
+    # the sum of squares is a statistic: each kernel variant's fast-math reduction may add in
+    # its own order (the cached builds of the two did, in one order of the test files)
+    assert got.count == want.count and got.energy == pytest.approx(want.energy, rel=1e-7)
     assert torch.equal(got.idx, want.idx) and torch.equal(got.values, want.values)
     # too little room for the candidates: gather scans again, from acc alone (in place, g
     # holds acc by then, so reading g + r again would be wrong)

@@ -234,20 +234,38 @@ if HAVE_NUMBA:
             for i in range(m):
                 bits[i] *= np.uint32(cval[i] < 0)
         kth, ties, _ = _radix_kth(bits, k)  # ties: taken at the k-th magnitude, lowest first
-        out_idx = np.empty(k, dtype=np.int64)
-        out_val = np.empty(k, dtype=np.float32)
+        out_idx = np.empty(k + 1, dtype=np.int64)  # one spare slot: written, not kept
+        out_val = np.empty(k + 1, dtype=np.float32)
         pos = 0
-        for i in range(m):
+        for i in range(m):  # branch-free: taken or not is close to a coin toss
             b = bits[i]
-            take = b > kth
-            if b == kth and ties > 0:
-                ties -= 1
-                take = True
-            if take:
-                out_idx[pos] = cidx[i]
-                out_val[pos] = cval[i]
-                pos += 1
-        return out_idx, out_val
+            tie = (b == kth) & (ties > 0)
+            ties -= np.int64(tie)
+            out_idx[pos] = cidx[i]
+            out_val[pos] = cval[i]
+            pos += np.int64((b > kth) | tie)
+        return out_idx[:k], out_val[:k]
+
+    @njit(cache=True)
+    def _split_sides(cidx, cval):
+        """The candidates above zero and those below, each in index order (none is zero:
+        both sides' thresholds are positive)."""
+        m = cval.size
+        pos_idx = np.empty(m + 1, dtype=np.int64)
+        pos_val = np.empty(m + 1, dtype=np.float32)
+        neg_idx = np.empty(m + 1, dtype=np.int64)
+        neg_val = np.empty(m + 1, dtype=np.float32)
+        p = q = 0
+        for i in range(m):  # branch-free: the sides alternate at random
+            x, v = cidx[i], cval[i]
+            pos_idx[p] = x
+            pos_val[p] = v
+            neg_idx[q] = x
+            neg_val[q] = v
+            up = np.int64(v > 0)
+            p += up
+            q += 1 - up
+        return pos_idx[:p], pos_val[:p], neg_idx[:q], neg_val[:q]
 
     @njit(cache=True)
     def _scatter_add(target, idx, vals, scale):
@@ -316,23 +334,23 @@ if HAVE_NUMBA:
                 t += 1
         tied.sort()
         cutoff = tied[need - 1]  # of those, the lowest-index ones up to here are taken
-        sel_idx = np.empty(k, dtype=np.int64)
-        sel_val = np.empty(k, dtype=np.float32)
-        rest_idx = np.empty(m - k, dtype=np.int64)
-        rest_val = np.empty(m - k, dtype=np.float32)
+        sel_idx = np.empty(k + 1, dtype=np.int64)  # one spare slot each: written, not kept
+        sel_val = np.empty(k + 1, dtype=np.float32)
+        rest_idx = np.empty(m - k + 1, dtype=np.int64)
+        rest_val = np.empty(m - k + 1, dtype=np.float32)
         p = q = 0
-        for i in range(m):
+        for i in range(m):  # branch-free: both written, one kept
             b = bits[i]
             x = cidx[i]
-            if b > kth or (b == kth and x <= cutoff):
-                sel_idx[p] = x
-                sel_val[p] = cval[i]
-                p += 1
-            else:
-                rest_idx[q] = x
-                rest_val[q] = cval[i]
-                q += 1
-        return sel_idx, sel_val, rest_idx, rest_val
+            v = cval[i]
+            take = np.int64((b > kth) | ((b == kth) & (x <= cutoff)))
+            sel_idx[p] = x
+            sel_val[p] = v
+            rest_idx[q] = x
+            rest_val[q] = v
+            p += take
+            q += 1 - take
+        return sel_idx[:k], sel_val[:k], rest_idx[:m - k], rest_val[:m - k]
 
     @njit(cache=True)
     def _outside(cidx, cval, sidx, mark):
@@ -696,6 +714,18 @@ def pick_topk(cidx: torch.Tensor, cval: torch.Tensor, k: int, sign: int = 0):
     return torch.from_numpy(idx), torch.from_numpy(val)
 
 
+def pick_sides(cidx: torch.Tensor, cval: torch.Tensor, k: int):
+    """``pick_topk(..., sign=1)`` and ``pick_topk(..., sign=-1)`` (each side holding at least
+    k candidates, none zero) in one split and two picks over one side each."""
+    pi, pv, ni, nv = _split_sides(cidx.numpy(), cval.numpy())
+    sides = []
+    for i, v in ((pi, pv), (ni, nv)):
+        if k < v.size:
+            i, v = _pick(i, v, k, 0)
+        sides += [torch.from_numpy(i), torch.from_numpy(v)]
+    return tuple(sides)
+
+
 def commit(g, r, idx, remainder, zero_grad=False) -> None:
     """``r += g`` (and ``g = 0`` in the same pass when asked), then ``r[idx] = remainder``."""
     if g is not None:
@@ -829,6 +859,7 @@ def warm_up() -> None:
                 r = torch.randn(1 << 18) * 0.1
                 select.topk(me, grad, r, 100)
                 select.topk(me, grad, r, 1 << 17)
+                select.sbc(me, grad, r, 100)
                 kth_magnitude(grad, r, 100)
             own = g.clone()  # the uplink's scans that write acc: into a spare, in place
             select.topk(AccumulatingOps(g, r, torch.empty_like(r)), g, r, 100)

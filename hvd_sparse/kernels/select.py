@@ -171,8 +171,12 @@ def sbc(ops, g, r, k: int) -> Optional[Selection]:
     ups = int((cval > 0).sum())
     if ups < k or cval.numel() - ups < k:
         return None
-    pi, pv = ops.pick_topk(cidx, cval, k, sign=1)  # each pick passes over the other side
-    ni, nv = ops.pick_topk(cidx, cval, k, sign=-1)
+    sides = getattr(ops, "pick_sides", None)  # a backend's split of the sides first
+    if sides is not None:
+        pi, pv, ni, nv = sides(cidx, cval, k)
+    else:  # each pick passes over the other side too
+        pi, pv = ops.pick_topk(cidx, cval, k, sign=1)
+        ni, nv = ops.pick_topk(cidx, cval, k, sign=-1)
     mean_pos, mean_neg = binary_mean(pv), -binary_mean(nv)
     idx, accv, mean = (pi, pv, mean_pos) if mean_pos >= mean_neg else (ni, nv, -mean_neg)
     return Selection(idx, torch.full_like(accv, mean), accv, energy=s.energy)
