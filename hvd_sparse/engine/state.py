@@ -44,7 +44,6 @@ class BucketState:
     spare: Optional[torch.Tensor] = None
     param_edges: Optional[np.ndarray] = None  # where each parameter starts, then the length
 
-
     @classmethod
     def for_bucket(cls, b, momentum_correction: float) -> "BucketState":
         dtype = accumulation_dtype(b.dtype)
