@@ -40,6 +40,11 @@ def runs(args):
         "fashion/topk-1%-momcorr-global-warmup": fm + [
             "--density", "0.01", "--cost-model", "off", "--collective", "allgather",
             "--momentum-correction", "--scope", "model", "--density-warmup-steps", warm],
+        # the density warm-up alone over the first 10% of the run (DGC's exponential schedule;
+        # the training CLI's default only where weight updates are exchanged)
+        "fashion/topk-1%-warmup": fm + ["--density", "0.01", "--cost-model", "off",
+                                        "--collective", "allgather",
+                                        "--density-warmup-steps", warm],
         # the density cool-down over the last 10% of the run (an option: it cost the ResNet
         # accuracy on 2 of 3 seeds, README)
         "fashion/topk-1%-cooldown": fm + ["--density", "0.01", "--cost-model", "off",
