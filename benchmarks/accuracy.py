@@ -108,7 +108,8 @@ def plot(results, path):
         axes[row][1].set_xscale("log")
         for ax in axes[row]:
             ax.set_ylabel(metric)
-            ax.legend(fontsize=7)
+            if ax.lines:  # a file may hold one of the two tasks only
+                ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
