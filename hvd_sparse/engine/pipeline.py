@@ -364,9 +364,10 @@ class Engine:
             self._sparsifier_snapshot = (c.sparsifier.state_dict(),
                                          c.downlink_sparsifier.state_dict())
         given = flat is not None
+        dense_mode = self.mode(b)
         parts = None
         if not given:
-            lazy = self._gradient_parts(b)
+            lazy = None if dense_mode else self._gradient_parts(b)
             if lazy is not None:
                 flat, sparse_ids, parts = lazy
             else:
@@ -374,10 +375,7 @@ class Engine:
         name = f"hvd_sparse.{b.index}.{b.name}"
         if c.local_clip_norm is not None:
             flat = clip_local(flat, c.local_clip_norm, self.transport.size())
-        dense_mode = self.mode(b)
         if dense_mode:
-            if parts is not None:
-                self._fill(flat, parts)
             with self.clock.stage("dense"):
                 self._launch_dense(b, flat, sparse_ids, name, dense_mode)
             return
@@ -392,9 +390,8 @@ class Engine:
             if st.velocity is None:
                 ops = kernels.ops_for(residual) if flat.dtype == residual.dtype \
                     else kernels.reference
+                # (never None where parts were taken: _gradient_parts asks what it asks)
                 accumulating = self._accumulating(st, ops, flat, residual, parts)
-                if accumulating is None and parts is not None:
-                    self._fill(flat, parts)
                 sel = sparsifier.fused(accumulating or ops, flat, residual, up_density, ctx)
                 if sel is not None and sel.nonfinite and c.nonfinite == "ignore":
                     sel = None  # NaN/Inf flow on, as the plain path lets them
@@ -426,10 +423,10 @@ class Engine:
         scan to read (no concatenation pass, see :meth:`_accumulating`): (the flat buffer,
         still unfilled, sparse ids, [(piece, offset)]), or None where :meth:`gradient`'s
         copy is needed (one parameter, sparse or non-float32 gradients, clipping, momentum
-        correction, a dense step, threads for the parallel scan)."""
+        correction, threads for the parallel scan; the caller rules out a dense step)."""
         c = self.config
         if len(b.params) < 2 or not self._acc_in_scan or b.dtype != torch.float32 \
-                or c.local_clip_norm is not None or self.mode(b) \
+                or c.local_clip_norm is not None \
                 or self.state[b.index].velocity is not None \
                 or not cpu.available() or cpu._threads() != 1:
             return None
@@ -442,10 +439,6 @@ class Engine:
             parts.append((g.reshape(-1)[lo:hi], off))
         flat = self.state[b.index].flat_buffer(b.numel, torch.float32, parts[0][0].device)
         return flat, frozenset(), parts
-
-    @staticmethod
-    def _fill(flat, parts) -> None:
-        torch.cat([t for t, _ in parts], out=flat)
 
     def _accumulating(self, st, ops, flat, residual, parts=None):
         """The numba primitives that also write ``acc`` in the selection's scan (see
