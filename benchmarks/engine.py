@@ -6,8 +6,10 @@ No autograd and no network: one parameter of N entries (or ``--pieces`` paramete
 one bucket, as most models' buckets hold several) gets a fresh gradient each step and
 ``synchronize()`` runs the whole engine (uplink select, encode, the collective, decode, uplink
 commit, aggregate, downlink select, write). The collective is a stand-in transport that returns
-this rank's payload followed by P - 1 payloads synthesised beforehand (Top-K-like: k random
-positions with random values), so the downlink does the work it does at P ranks.
+this rank's payload followed by P - 1 payloads synthesised beforehand (k random positions with
+random values; for SBC, as its ranks send them, one mean of random sign shared by all k and the
+positions Golomb coded, so the downlink meets the ties a real SBC aggregate holds), so the
+downlink does the work it does at P ranks.
 
 Floor: the pass budget of docs/design.md for bidirectional Top-K on the numba backend is 16
 bytes moved per entry (the uplink scan reads 8 and writes acc 4, the zero-fill of p.grad 4; the
@@ -67,14 +69,20 @@ class SynthesisedTransport(Transport):
         return handle
 
 
-def synthesise(name, numel, index_dtype, k, ranks, device, seed=0):
+def synthesise(name, numel, index_dtype, k, ranks, device, seed=0, binary=False):
+    """P - 1 payloads of k random positions; ``binary``: SBC's (one shared mean, Golomb)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(ranks - 1):
         idx = torch.sort(torch.randperm(numel, generator=gen)[:k]).values
-        vals = torch.randn(k, generator=gen) * 0.03
+        if binary:
+            sign = 1.0 if float(torch.rand(1, generator=gen)) < 0.5 else -1.0
+            vals = torch.full((k,), sign * 0.03)
+        else:
+            vals = torch.randn(k, generator=gen) * 0.03
         out.append(wire.encode(idx.to(device), vals.to(device), index_dtype=index_dtype,
-                               tag=wire.fingerprint(name, numel), numel=numel))
+                               tag=wire.fingerprint(name, numel), numel=numel,
+                               constant=binary, index_coding="golomb" if binary else "plain"))
     return out
 
 
@@ -148,7 +156,7 @@ def build(n, ranks, density, device, steps, sparsifier, pieces=1):
     (name, view), = opt.engine_state().items()
     k = max(1, int(density * n))
     transport.others[f"hvd_sparse.0.{name}"] = synthesise(
-        name, view.numel, view.index_dtype, k, ranks, device)
+        name, view.numel, view.index_dtype, k, ranks, device, binary=sparsifier == "sbc")
     return opt, p, grads
 
 

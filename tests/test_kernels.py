@@ -11,7 +11,7 @@ from hvd_sparse import kernels
 from hvd_sparse.kernels import cpu, cuda, reference, select
 from hvd_sparse.sparsifiers import (AdaptiveTopK, GaussianK, HardThreshold, SelectionContext,
                                     SparseBinary, TopK)
-from hvd_sparse.sparsifiers.base import topk_indices
+from hvd_sparse.sparsifiers.base import k_for_density, topk_indices
 
 BACKENDS = [pytest.param(reference, id="torch"),
             pytest.param(cpu, id="numba", marks=pytest.mark.skipif(
@@ -93,10 +93,43 @@ SPARSIFIERS = {"topk": TopK, "gaussiank": GaussianK, "sbc": SparseBinary,
 def test_fused_equals_definition(ops, method, kind, n, density, downlink):
     grad, res = inputs(kind, n, n + int(density * 1000), device_of(ops))
     got = run_both(ops, SPARSIFIERS[method](), grad, res, density, downlink)
-    if got is None:  # no fused form for this input (SBC with a side short of candidates)
-        assert method == "sbc"
+    if got is None:  # no fused form for this input: SBC on a vector too short to sample
+        assert method == "sbc" and (select.sample_positions(n) is None
+                                    or 2 * k_for_density(n, density) >= n)
         return
     assert_same(*got, (method, kind, n, density, downlink))
+
+
+@pytest.mark.parametrize("ops", BACKENDS)
+@pytest.mark.parametrize("signs", ["positive", "negative", "few_negative", "none"])
+@pytest.mark.parametrize("downlink", [False, True], ids=["up", "down"])
+def test_sbc_side_short_of_k(ops, signs, downlink):
+    """A sparse aggregate often holds fewer than k entries of one sign: that side takes all it
+    has (never a zero), on the fused path, equal to the definition."""
+    n, density = 300_000, 0.01
+    k = k_for_density(n, density)
+    gen = torch.Generator().manual_seed(3)
+    grad = torch.zeros(n)
+    where = torch.randperm(n, generator=gen)[:3 * k]
+    grad[where] = torch.rand(3 * k, generator=gen) + 0.1
+    if signs == "negative":
+        grad = -grad
+    elif signs == "few_negative":  # k // 3 negatives, larger than every positive
+        grad[where[:k // 3]] = -5.0
+    elif signs == "none":
+        grad.zero_()
+    res = torch.zeros(n)
+    grad, res = grad.to(device_of(ops)), res.to(device_of(ops))
+    got = run_both(ops, SparseBinary(), grad, res, density, downlink)
+    assert got is not None, "SBC left its fused path"
+    assert_same(*got, (signs, downlink))
+    (idx, vals, _), _ = got
+    acc = grad.cpu()
+    assert bool((acc[idx.cpu()] != 0).all()), "SBC sent a position holding zero"
+    want = {"positive": k, "negative": k, "few_negative": k // 3, "none": 0}[signs]
+    assert idx.numel() == want
+    if signs == "few_negative":  # the short side wins on its mean
+        assert bool((vals < 0).all()) and float(vals[0]) == -5.0
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

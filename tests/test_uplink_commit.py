@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import hvd_sparse
+import hvd_sparse.sparsifiers
 from hvd_sparse import wire
 from hvd_sparse.kernels import cpu
 from hvd_sparse.transport import LocalTransport
@@ -152,27 +153,50 @@ def test_a_nan_from_another_rank_leaves_every_residual_as_it_was(mode, scope, wi
     assert _commits(opt)["in_scan"] == len(opt.engine_state()) * 5
 
 
+class _GivesUpAfterItsScan(hvd_sparse.sparsifiers.TopK):
+    """A method whose fused form scans and then declines every other step (as a user's method
+    may, when its fast form does not cover the input): the plain path follows."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def fused(self, ops, grad, residual, density, ctx):
+        sel = super().fused(ops, grad, residual, density, ctx)
+        self.calls += 1
+        return None if grad is not None and self.calls % 2 else sel
+
+
 @pytest.mark.parametrize("threads", [None, 1], ids=["copied", "in-pieces"])
 def test_a_method_that_gives_up_after_its_scan_gets_the_gradient_back(with_a_pass, threads):
-    # SBC takes the plain path when, after its scan, a side has fewer than k candidates
-    # (here: inputs of one sign, 30% density). With one multi-parameter bucket, acc was
-    # written into the concatenated gradient by then (on one thread: the scan read the
-    # p.grad pieces and wrote acc there), which the plain path must not read as the gradient
-    def positive(gen):
-        return torch.rand(16, 40, generator=gen) + 1.0
-
+    # with one multi-parameter bucket, acc was written into the concatenated gradient by then
+    # (on one thread: the scan read the p.grad pieces and wrote acc there), which the plain
+    # path must not read as the gradient
     old = torch.get_num_threads()
     torch.set_num_threads(threads or old)
     try:
-        kw = dict(scope="model", sparsifier="sbc", density=0.3, data=positive, hidden=600)
-        model, opt, _ = _run(6, **kw)
-        ref_model, ref_opt, _ = with_a_pass(6, **kw)
+        kw = dict(scope="model", density=0.3, hidden=600)
+        model, opt, _ = _run(6, sparsifier=_GivesUpAfterItsScan(), **kw)
+        ref_model, ref_opt, _ = with_a_pass(6, sparsifier=_GivesUpAfterItsScan(), **kw)
     finally:
         torch.set_num_threads(old)
     assert _commits(opt)["in_place"] + _commits(opt)["in_scan"] < 6  # some steps went plain
     assert _same(_bits(model, opt), _bits(ref_model, ref_opt))
     if threads == 1:
         assert opt.communication_stats()["totals"]["gradient_reads"]["in_pieces"] == 6
+
+
+def test_sbc_with_a_sign_short_of_k_stays_on_the_fused_path(with_a_pass):
+    """Gradients of one sign leave SBC's negative side empty: that side takes what it has
+    (nothing) and the step stays fused, with the bits of the commit pass."""
+    def positive(gen):
+        return torch.rand(16, 40, generator=gen) + 1.0
+
+    kw = dict(scope="model", sparsifier="sbc", density=0.3, data=positive, hidden=600)
+    model, opt, _ = _run(6, **kw)
+    ref_model, ref_opt, _ = with_a_pass(6, **kw)
+    assert _commits(opt)["in_place"] + _commits(opt)["in_scan"] == 6
+    assert _same(_bits(model, opt), _bits(ref_model, ref_opt))
 
 
 def test_nan_under_ignore_flows_through_the_plain_path(with_a_pass):

@@ -332,8 +332,9 @@ if HAVE_NUMBA:
             if bits[i] == kth:
                 tied[t] = cidx[i]
                 t += 1
-        tied.sort()
-        cutoff = tied[need - 1]  # of those, the lowest-index ones up to here are taken
+        # of those, the ``need`` lowest-index ones are taken: a selection, not a sort (an SBC
+        # aggregate ties thousands of entries at one value)
+        cutoff = np.partition(tied, need - 1)[need - 1]
         sel_idx = np.empty(k + 1, dtype=np.int64)  # one spare slot each: written, not kept
         sel_val = np.empty(k + 1, dtype=np.float32)
         rest_idx = np.empty(m - k + 1, dtype=np.int64)

@@ -148,11 +148,11 @@ def binary_mean(values: torch.Tensor) -> float:
 
 
 def sbc(ops, g, r, k: int) -> Optional[Selection]:
-    """Sparse Binary Compression: the k largest positive or the k largest negative entries,
-    whichever side has the larger mean magnitude, all sent as that one mean.
+    """Sparse Binary Compression: the k largest positive or the k largest negative entries (a
+    side with fewer than k entries takes all it has), whichever side has the larger mean
+    magnitude, all sent as that one mean.
 
-    Returns ``None`` (take the plain path) when a side has fewer than k candidates above a
-    positive threshold: then the definition's zero entries would join that side.
+    Returns ``None`` (take the plain path) when the vector is too short for a sample to pay.
     """
     n = r.numel()
     pos = sample_positions(n)
@@ -169,17 +169,43 @@ def sbc(ops, g, r, k: int) -> Optional[Selection]:
     cidx, cval = ops.gather(g, r, s)
     # both thresholds are positive, so a candidate's sign says its side (no split copies)
     ups = int((cval > 0).sum())
-    if ups < k or cval.numel() - ups < k:
-        return None
+    downs = cval.numel() - ups
+    # a side short of k: at the smallest positive threshold it holds every entry of its sign
+    # (a sparse aggregate often has fewer than k of one sign); above it, the sample aimed too
+    # high and that side is scanned again from the smallest one
+    if (ups < k and t_pos > TINY) or (downs < k and t_neg > TINY):
+        t_pos = TINY if ups < k else t_pos
+        t_neg = TINY if downs < k else t_neg
+        s = ops.scan(g, r, t_pos, t_neg, 6 * k)
+        cidx, cval = ops.gather(g, r, s)
+        ups = int((cval > 0).sum())
+        downs = cval.numel() - ups
     sides = getattr(ops, "pick_sides", None)  # a backend's split of the sides first
     if sides is not None:
         pi, pv, ni, nv = sides(cidx, cval, k)
     else:  # each pick passes over the other side too
-        pi, pv = ops.pick_topk(cidx, cval, k, sign=1)
-        ni, nv = ops.pick_topk(cidx, cval, k, sign=-1)
+        pi, pv = _side(ops, cidx, cval, k, 1, ups)
+        ni, nv = _side(ops, cidx, cval, k, -1, downs)
+    sel = binary_choice(pi, pv, ni, nv)
+    sel.energy = s.energy
+    return sel
+
+
+def _side(ops, cidx, cval, k, sign, count):
+    """The k largest of one sign among the candidates, or all of them when ``count`` (how many
+    there are) is at most k."""
+    if count > k:
+        return ops.pick_topk(cidx, cval, k, sign=sign)
+    keep = cval > 0 if sign > 0 else cval < 0
+    return cidx[keep], cval[keep]
+
+
+def binary_choice(pi, pv, ni, nv) -> Selection:
+    """SBC's decision between its two picked sides: the one of larger mean magnitude (the
+    positive one on a tie), every position sent as that mean."""
     mean_pos, mean_neg = binary_mean(pv), -binary_mean(nv)
     idx, accv, mean = (pi, pv, mean_pos) if mean_pos >= mean_neg else (ni, nv, -mean_neg)
-    return Selection(idx, torch.full_like(accv, mean), accv, energy=s.energy)
+    return Selection(idx, torch.full_like(accv, mean), accv)
 
 
 def gaussian_threshold(smp: np.ndarray, n: int, k: int) -> float:

@@ -1,6 +1,7 @@
 """Sparse Binary Compression (Sattler et al., arXiv 1805.08768).
 
-Per bucket: take the k largest positive and the k largest negative entries, keep the side whose
+Per bucket: take the k largest positive and the k largest negative entries (a side with fewer
+than k entries of its sign takes all of them; zeros are never sent), keep the side whose
 mean magnitude is larger, and send only its positions plus that one mean (with its sign). The
 positions go Golomb-Rice coded (``hvd_sparse.golomb``), which brings a position down to about
 11.4 bits at 0.1% density; the values cost 32 bits per bucket in total. What the binarisation
@@ -23,8 +24,7 @@ class SparseBinary(Sparsifier):
 
     def compress(self, acc, density, ctx):
         k = k_for_density(acc.numel(), density)
-        pos = topk_of(acc.clamp(min=0), k)
-        neg = topk_of((-acc).clamp(min=0), k)
+        pos, neg = _side(acc, k), _side(-acc, k)
         mean_pos = fused_select.binary_mean(acc[pos])
         mean_neg = -fused_select.binary_mean(acc[neg])
         if mean_pos >= mean_neg:
@@ -35,3 +35,13 @@ class SparseBinary(Sparsifier):
 
     def fused(self, ops, grad, residual, density, ctx):
         return fused_select.sbc(ops, grad, residual, k_for_density(residual.numel(), density))
+
+
+def _side(score, k):
+    """The k largest positive entries of ``score`` (ties by lowest index), or every positive
+    one when there are at most k: filling up with zeros would send the mean where nothing
+    was."""
+    above = score > 0
+    if int(above.sum()) <= k:
+        return torch.nonzero(above).squeeze(1)
+    return topk_of(score.clamp(min=0), k)
