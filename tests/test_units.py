@@ -115,6 +115,26 @@ def test_payloads_decode_where_they_lie(device, coding, constant):
         wire.decode_all(bad, 1, tag=tag, numel=numel, bucket="w")
 
 
+@pytest.mark.parametrize("coding", ["plain", "golomb"])
+def test_own_payload_takes_the_positions_this_rank_sent(coding):
+    """decode_all with ``own``: that rank's positions are the ones given (the same tensor, not
+    decoded), the others decoded as usual, and a count that disagrees is a PayloadError."""
+    numel, tag = 50_000, wire.fingerprint("w", 50_000)
+    g = torch.Generator().manual_seed(5)
+    sent = []
+    for count in (300, 41):
+        idx = torch.sort(torch.randperm(numel, generator=g)[:count]).values
+        sent.append((idx, torch.randn(count, generator=g)))
+    buf = torch.cat([wire.encode(i, v, index_dtype=torch.int32, tag=tag, numel=numel,
+                                 index_coding=coding) for i, v in sent])
+    mine = sent[1][0].clone()
+    out = wire.decode_all(buf, 2, tag=tag, numel=numel, bucket="w", own=(1, mine))
+    assert out[1].indices is mine and torch.equal(out[1].values, sent[1][1])
+    assert torch.equal(out[0].indices, sent[0][0]) and torch.equal(out[0].values, sent[0][1])
+    with pytest.raises(wire.PayloadError, match="rank 1.*41 entries where this rank sent 40"):
+        wire.decode_all(buf, 2, tag=tag, numel=numel, bucket="w", own=(1, mine[:40]))
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_golomb_stream_that_never_terminates_is_a_payload_error(device):
     """All-ones bytes are one unfinished unary quotient: decoded on the host or on the device,

@@ -564,7 +564,7 @@ class Engine:
         with self.clock.stage("collective_wait"):  # may block (mpi4py exchanges sizes first)
             handle = self.transport.allgather_async(payload, name)
         self.inflight[b.index] = InFlight("sparse", handle, ctx, payload.numel(), sparse_ids,
-                                          idx.numel(), target, error, commit)
+                                          idx.numel(), target, error, commit, positions=idx)
 
     def _launch_dense(self, b, flat, sparse_ids, name, dense_mode, flush=True):
         """A bucket that goes dense: like Horovod, one allreduce in place on the gradient.
@@ -660,8 +660,10 @@ class Engine:
             received = self.transport.wait(job.handle)
         if job.kind in ("sparse", "sharded"):
             with self.clock.stage("decode", b.index):
+                own = None if job.positions is None else (self.transport.rank(),
+                                                          job.positions)
                 payloads = wire.decode_all(received, size, tag=b.tag, numel=b.numel,
-                                           bucket=b.name)
+                                           bucket=b.name, own=own)
                 bad = [r for r, p in enumerate(payloads) if p.nonfinite]
             return (payloads, received.numel()), bad
         with self.clock.stage("dense"):

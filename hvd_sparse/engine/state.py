@@ -83,3 +83,4 @@ class InFlight:
     commit: Any = None
     zeroed: bool = False  # the uplink commit zeroed p.grad in its pass
     own_bytes: int = 0  # sharded: the part of this rank's all-to-all that stays with it
+    positions: Any = None  # allgather: the positions this rank sent (its payload's, known)
