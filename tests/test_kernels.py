@@ -217,17 +217,24 @@ def test_scan_energy_is_the_squared_norm(ops):
 
 @pytest.mark.parametrize("ops", BACKENDS)
 @pytest.mark.parametrize("expect", [None, 1, 10_000_000])
-def test_scan_gather_whatever_the_room(ops, expect):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_scan_gather_whatever_the_room(ops, expect, threads):
     """The candidates are the same, in index order, whether the scan's room held them all,
-    was too short (a second pass) or was not offered."""
-    grad, res = inputs("random", 200_003, 5, device_of(ops))
-    t = np.float32(1.5)
-    s = ops.scan(grad, res, t, t, expect)
-    idx, val = ops.gather(grad, res, s)
-    acc = (grad + res).cpu()
-    want = torch.nonzero(acc.abs() >= t).squeeze(1)
-    assert s.count == want.numel() > 1026
-    assert torch.equal(idx.cpu(), want) and torch.equal(val.cpu(), acc[want])
+    was too short (a second pass) or was not offered, in one chunk or several (each chunk's
+    room is followed by a spare slot its scan writes)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        grad, res = inputs("random", 200_003, 5, device_of(ops))
+        for t in (np.float32(1.5), np.float32(0.2)):  # 13% and 85% of the entries
+            s = ops.scan(grad, res, t, t, expect)
+            idx, val = ops.gather(grad, res, s)
+            acc = (grad + res).cpu()
+            want = torch.nonzero(acc.abs() >= t).squeeze(1)
+            assert s.count == want.numel() > 1026
+            assert torch.equal(idx.cpu(), want) and torch.equal(val.cpu(), acc[want])
+    finally:
+        torch.set_num_threads(old)
 
 
 def test_sample_positions_are_made_once_per_length():

@@ -59,7 +59,8 @@ if HAVE_NUMBA:
     @njit(fastmath=FASTMATH, cache=True)
     def _scan_chunk(g, r, thi, tlo, base, out_idx, out_val, start, cap, into):
         """One read of a chunk: candidates (``acc >= thi`` or ``acc <= -tlo``) appended to
-        ``out[start:start + cap]`` in index order, while they fit; returns (candidates seen,
+        ``out[start:start + cap]`` in index order, while they fit (slot ``start + cap`` is
+        written too, and must exist and be free); returns (candidates seen,
         sum of acc^2). ``acc`` is ``r`` when ``g`` and ``into`` are None, ``g + r`` when
         ``into`` is None, and else ``g + r`` written into ``into`` in the same pass, or
         ``into + r`` written back into ``into`` when ``g`` is None (in place: one array
@@ -133,6 +134,26 @@ if HAVE_NUMBA:
                             mask |= np.uint32((a >= thi) | (a <= -tlo)) << np.uint32(j)
                             e += a * a
             energy += e
+            # the block's first two candidates without a branch: at the densities used a
+            # block holds none, one or two about equally unpredictably, and a mispredicted
+            # loop exit cost more than the rest of a candidate's work. Each is written at
+            # slot min(pos, cap), the spare slot after the room (the caller leaves one) when
+            # the room is full or when there is no candidate (then nothing counts it); the
+            # rare rest in the loop below
+            for _ in range(2):
+                has = np.int64(mask != 0)
+                j = trailing_zeros(np.uint64(mask) | np.uint64(1 << 32)) & 31
+                w = start + min(pos, cap)
+                out_idx[w] = base + lo + j
+                if into is not None:  # acc as written
+                    out_val[w] = into[lo + j]
+                else:
+                    if g is None:
+                        out_val[w] = r[lo + j]
+                    else:
+                        out_val[w] = g[lo + j] + r[lo + j]
+                pos += has
+                mask &= mask - np.uint32(has)
             while mask != 0:
                 j = trailing_zeros(mask)
                 if pos < cap:
@@ -495,11 +516,17 @@ class Scan(NamedTuple):
     args: tuple  # to scan again with exact room when they did not
 
 
+def _room(caps):
+    """Where each chunk's candidates start in one output array, and its length: ``caps[c]``
+    slots per chunk plus the spare one ``_scan_chunk`` writes after them."""
+    starts = np.zeros(caps.size, dtype=np.int64)
+    np.cumsum(caps[:-1] + 1, out=starts[1:])
+    return starts, int(caps.sum()) + caps.size
+
+
 def _run_scan(gn, rn, thi, tlo, caps, into=None):
     nchunks, chunk = _chunks(rn.size)
-    starts = np.zeros(nchunks, dtype=np.int64)
-    np.cumsum(caps[:-1], out=starts[1:])
-    total = int(caps.sum())
+    starts, total = _room(caps)
     out_idx = np.empty(total, dtype=np.int64)
     out_val = np.empty(total, dtype=np.float32)
     counts = np.empty(nchunks, dtype=np.int64)
@@ -557,10 +584,9 @@ def scan_parts(parts, r, t_hi, t_lo, expect, into) -> Scan:
     thi, tlo = np.float32(t_hi), np.float32(t_lo)
     room = (n // 32 if expect is None else 2 * int(expect)) + 4096
     caps = np.array([-(-room * g.size // max(n, 1)) + BLOCK for g, _ in parts], dtype=np.int64)
-    starts = np.zeros(len(parts), dtype=np.int64)
-    np.cumsum(caps[:-1], out=starts[1:])
-    out_idx = np.empty(int(caps.sum()), dtype=np.int64)
-    out_val = np.empty(int(caps.sum()), dtype=np.float32)
+    starts, total = _room(caps)
+    out_idx = np.empty(total, dtype=np.int64)
+    out_val = np.empty(total, dtype=np.float32)
     counts = np.empty(len(parts), dtype=np.int64)
     energy = 0.0
     for j, (g, off) in enumerate(parts):
@@ -672,8 +698,10 @@ def gather(g, r, s: Scan):
     if s.complete:
         return s.idx, s.values
     gn, rn, thi, tlo, counts = s.args  # the room was short: once more with exact room
-    _, _, _, out_idx, out_val = _run_scan(gn, rn, thi, tlo, counts.astype(np.int64))
-    return torch.from_numpy(out_idx), torch.from_numpy(out_val)
+    _, _, starts, out_idx, out_val = _run_scan(gn, rn, thi, tlo, counts.astype(np.int64))
+    idx = np.concatenate([out_idx[a:a + c] for a, c in zip(starts, counts)])
+    val = np.concatenate([out_val[a:a + c] for a, c in zip(starts, counts)])
+    return torch.from_numpy(idx), torch.from_numpy(val)
 
 
 def sample(g, r, positions: np.ndarray) -> np.ndarray:
