@@ -50,6 +50,11 @@ def runs(args):
         "fashion/topk-1%-cooldown": fm + ["--density", "0.01", "--cost-model", "off",
                                           "--collective", "allgather",
                                           "--density-cooldown-steps", warm],
+        # no downlink re-selection: with the allgather every rank already holds the whole
+        # aggregate, and the second residual delays what the first let through
+        "fashion/topk-1%-unidirectional": fm + ["--density", "0.01", "--cost-model", "off",
+                                                "--collective", "allgather",
+                                                "--no-bidirectional"],
         "shakespeare/dense": sh + ["--optimizer", "dense"],
         "shakespeare/topk-1%": sh + ["--density", "0.01", "--cost-model", "off",
                                      "--collective", "allgather"],
