@@ -239,6 +239,9 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu.warm_up()
+    # one untimed row first: the process's first large buffers pay their first touches (and
+    # the core its clock ramp), which made whichever row came first 20-40% slower
+    bench(int(min(args.sizes)), args.ranks[0], args.density, args.device, 3, "topk")
     rows = []
     for n in args.sizes:
         for ranks in args.ranks:
