@@ -61,6 +61,9 @@ def parse_args(argv=None):
                         "or AdamW with --warmup-steps of linear warm-up and cosine decay")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW only")
     p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--lr-schedule", default="auto", choices=["auto", "constant", "cosine"],
+                   help="cosine: --warmup-steps of linear warm-up, then cosine decay to zero "
+                        "at the end of the run; auto: cosine for AdamW, constant for SGD")
     p.add_argument("--seq-len", type=int, default=None, help="shakespeare only")
     p.add_argument("--density-warmup-steps", type=int, default=None,
                    help="DGC's warm-up: density decays geometrically from dense to --density "
@@ -226,8 +229,9 @@ def main(argv=None):
         momentum = 0.0 if args.momentum_correction and args.optimizer == "sparse" \
             else args.momentum
         base = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=momentum)
-    schedule = _schedule(base, args.warmup_steps, args.total_steps) \
-        if args.base_optimizer == "adamw" else None
+    cosine = args.lr_schedule == "cosine" or (args.lr_schedule == "auto"
+                                              and args.base_optimizer == "adamw")
+    schedule = _schedule(base, args.warmup_steps, args.total_steps) if cosine else None
     adaptive_defaults(args, base)
     opt = build_optimizer(args, model, base, hvd)
     if args.optimizer != "local":
