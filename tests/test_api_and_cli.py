@@ -181,6 +181,34 @@ def test_cli_defaults_for_adaptive_updates(base, exchange, given, want):
     assert (args.bidirectional, args.density_warmup_steps) == want
 
 
+@pytest.mark.parametrize("base,given,cosine", [
+    ("sgd", "auto", False), ("sgd", "cosine", True), ("sgd", "constant", False),
+    ("adamw", "auto", True), ("adamw", "constant", False)])
+def test_cli_lr_schedule(base, given, cosine):
+    """--lr-schedule: cosine decays the rate to zero at the run's end (after the warm-up),
+    constant leaves it; auto is cosine for AdamW only."""
+    from hvd_sparse.train.__main__ import lr_schedule, parse_args
+
+    args = parse_args(["--base-optimizer", base, "--lr-schedule", given, "--warmup-steps", "2"])
+    args.total_steps = 10
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    opt = torch.optim.AdamW(params, lr=0.1) if base == "adamw" else \
+        torch.optim.SGD(params, lr=0.1)
+    sched = lr_schedule(args, opt)
+    assert (sched is not None) == cosine
+    rates = []
+    for _ in range(10):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        if sched is not None:
+            sched.step()
+    if cosine:
+        assert rates[0] < rates[1] == pytest.approx(0.1) and rates[-1] < 0.01
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    else:
+        assert rates == [0.1] * 10
+
+
 def test_progress_lines_every_five_percent():
     from hvd_sparse.train.__main__ import _progress_due
 

@@ -229,9 +229,7 @@ def main(argv=None):
         momentum = 0.0 if args.momentum_correction and args.optimizer == "sparse" \
             else args.momentum
         base = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=momentum)
-    cosine = args.lr_schedule == "cosine" or (args.lr_schedule == "auto"
-                                              and args.base_optimizer == "adamw")
-    schedule = _schedule(base, args.warmup_steps, args.total_steps) if cosine else None
+    schedule = lr_schedule(args, base)
     adaptive_defaults(args, base)
     opt = build_optimizer(args, model, base, hvd)
     if args.optimizer != "local":
@@ -336,6 +334,14 @@ def _progress_due(step: int, total: int, every: float = 0.05) -> bool:
     """True at the steps that complete another ``every`` of the epoch (and at its end)."""
     stride = max(1, int(total * every))
     return (step + 1) % stride == 0 or step + 1 == total
+
+
+def lr_schedule(args, base):
+    """The run's learning-rate schedule (None: constant): ``--lr-schedule``, where ``auto`` is
+    cosine decay for AdamW (the Transformer study's recipe) and a constant rate for SGD."""
+    cosine = args.lr_schedule == "cosine" or (args.lr_schedule == "auto"
+                                              and args.base_optimizer == "adamw")
+    return _schedule(base, args.warmup_steps, args.total_steps) if cosine else None
 
 
 def _schedule(base, warmup: int, total: int):
