@@ -168,6 +168,8 @@ def decode_one(buf: torch.Tensor, offset: int, read, numel: int = 2**62, known=N
     if count > numel:
         raise PayloadError(f"payload at byte {offset} claims {count} entries, more than the "
                            f"bucket's {numel}")
+    if known is not None and known.dim() != 1:
+        known = known.reshape(-1)
     if known is not None and known.numel() != count:
         raise PayloadError(f"payload at byte {offset} holds {count} entries where this rank "
                            f"sent {known.numel()}")
@@ -221,8 +223,8 @@ def decode_all(buf: torch.Tensor, ranks: int, *, tag: int, numel: int, bucket: s
 
     The headers are read on the host (a few bytes each when the buffer lives on a device) and
     each payload's positions are checked with one host read. ``own``: (this rank, the int64
-    positions it encoded, ascending): its own payload's are taken as they are, neither decoded
-    (a Golomb walk costs about a nanosecond per bit) nor checked.
+    positions it encoded): its own payload's are taken as they are instead of decoded (a
+    Golomb walk costs about a nanosecond per bit), and checked like the others.
     """
     read = _host_reader(buf)
     payloads, offset = [], 0
@@ -239,7 +241,7 @@ def decode_all(buf: torch.Tensor, ranks: int, *, tag: int, numel: int, bucket: s
                 f"({numel} entries): the ranks disagree on parameter names, shapes, dtypes or "
                 "bucketing options")
         idx = payload.indices
-        if idx.numel() and r != me:
+        if idx.numel():  # this rank's own too: a user's method may break the contract
             # positions must be in range, ascending and unique (the scatter relies on it);
             # first, last and order come back in one read
             ordered = (idx[1:] > idx[:-1]).all() if idx.numel() > 1 else \

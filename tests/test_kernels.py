@@ -101,6 +101,40 @@ def test_fused_equals_definition(ops, method, kind, n, density, downlink):
 
 
 @pytest.mark.parametrize("ops", BACKENDS)
+@pytest.mark.parametrize("downlink", [False, True], ids=["up", "down"])
+def test_sbc_rescans_a_side_its_sample_aimed_too_high_for(ops, downlink, monkeypatch):
+    """The sample sees only large negatives, while most of the k largest are small ones off
+    the sampled blocks: the first scan finds fewer than k negatives above the sampled
+    threshold, and the side is scanned again from the smallest positive one."""
+    n, density = 300_000, 0.01
+    k = k_for_density(n, density)
+    sampled = torch.zeros(n, dtype=torch.bool)
+    sampled[torch.from_numpy(select.sample_positions(n))] = True
+    gen = torch.Generator().manual_seed(4)
+    grad = torch.rand(n, generator=gen) + 0.5  # positives everywhere
+    where = torch.nonzero(sampled).squeeze(1)
+    grad[where[::20]] = -3.0  # ~900 large negatives, all inside the sample
+    off = torch.nonzero(~sampled).squeeze(1)
+    grad[off[:5 * k]] = -0.01 * (1 + torch.rand(5 * k, generator=gen))  # small ones outside
+    grad, res = grad.to(device_of(ops)), torch.zeros(n, device=device_of(ops))
+    scans = []
+    real = ops.scan
+
+    def counting(*a, **kw):
+        scans.append(a[2:4])
+        return real(*a, **kw)
+    monkeypatch.setattr(ops, "scan", counting)
+    got = run_both(ops, SparseBinary(), grad, res, density, downlink)
+    assert got is not None
+    assert len(scans) == 2 and float(scans[0][1]) > float(select.TINY) \
+        and float(scans[1][1]) == float(select.TINY), scans
+    assert_same(*got, downlink)
+    (idx, vals, _), _ = got
+    # the negatives' mean (900 of 3 and 2,100 of about 0.015) is below the positives' (~1.5)
+    assert idx.numel() == k and bool((vals > 0).all())
+
+
+@pytest.mark.parametrize("ops", BACKENDS)
 @pytest.mark.parametrize("signs", ["positive", "negative", "few_negative", "none"])
 @pytest.mark.parametrize("downlink", [False, True], ids=["up", "down"])
 def test_sbc_side_short_of_k(ops, signs, downlink):

@@ -133,6 +133,14 @@ def test_own_payload_takes_the_positions_this_rank_sent(coding):
     assert torch.equal(out[0].indices, sent[0][0]) and torch.equal(out[0].values, sent[0][1])
     with pytest.raises(wire.PayloadError, match="rank 1.*41 entries where this rank sent 40"):
         wire.decode_all(buf, 2, tag=tag, numel=numel, bucket="w", own=(1, mine[:40]))
+    # still checked: a method that broke the contract fails on its own rank as on the others
+    bad = sent[1][0].flip(0).clone()
+    buf = torch.cat([wire.encode(sent[0][0], sent[0][1], index_dtype=torch.int32, tag=tag,
+                                 numel=numel),
+                     wire.encode(bad, sent[1][1], index_dtype=torch.int32, tag=tag,
+                                 numel=numel)])
+    with pytest.raises(wire.PayloadError, match="rank 1.*unsorted"):
+        wire.decode_all(buf, 2, tag=tag, numel=numel, bucket="w", own=(1, bad))
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

@@ -186,14 +186,26 @@ def test_a_method_that_gives_up_after_its_scan_gets_the_gradient_back(with_a_pas
         assert opt.communication_stats()["totals"]["gradient_reads"]["in_pieces"] == 6
 
 
-def test_sbc_with_a_sign_short_of_k_stays_on_the_fused_path(with_a_pass):
-    """Gradients of one sign leave SBC's negative side empty: that side takes what it has
-    (nothing) and the step stays fused, with the bits of the commit pass."""
+def test_sbc_with_a_sign_short_of_k_stays_on_the_fused_path(with_a_pass, monkeypatch):
+    """At 30% density (positive inputs) a side of SBC's holds fewer than k entries on some
+    steps: that side takes what it has, and every step stays fused, with the bits of the
+    commit pass."""
+    from hvd_sparse.kernels import select
+
+    sizes = []
+    choose = select.binary_choice
+
+    def recording(pi, pv, ni, nv):
+        sizes.append((pi.numel(), ni.numel()))
+        return choose(pi, pv, ni, nv)
+    monkeypatch.setattr(select, "binary_choice", recording)
+
     def positive(gen):
         return torch.rand(16, 40, generator=gen) + 1.0
 
     kw = dict(scope="model", sparsifier="sbc", density=0.3, data=positive, hidden=600)
     model, opt, _ = _run(6, **kw)
+    assert any(a != b for a, b in sizes), sizes  # both are k unless a side was short
     ref_model, ref_opt, _ = with_a_pass(6, **kw)
     assert _commits(opt)["in_place"] + _commits(opt)["in_scan"] == 6
     assert _same(_bits(model, opt), _bits(ref_model, ref_opt))

@@ -137,9 +137,9 @@ if HAVE_NUMBA:
             # the block's first two candidates without a branch: at the densities used a
             # block holds none, one or two about equally unpredictably, and a mispredicted
             # loop exit cost more than the rest of a candidate's work. Each is written at
-            # slot min(pos, cap), the spare slot after the room (the caller leaves one) when
-            # the room is full or when there is no candidate (then nothing counts it); the
-            # rare rest in the loop below
+            # slot min(pos, cap): the spare slot after the room (the caller leaves one) once
+            # the room is full; a block without one writes the next free slot, which nothing
+            # counts. The rare rest in the loop below
             for _ in range(2):
                 has = np.int64(mask != 0)
                 j = trailing_zeros(np.uint64(mask) | np.uint64(1 << 32)) & 31
@@ -744,8 +744,8 @@ def pick_topk(cidx: torch.Tensor, cval: torch.Tensor, k: int, sign: int = 0):
 
 
 def pick_sides(cidx: torch.Tensor, cval: torch.Tensor, k: int):
-    """``pick_topk(..., sign=1)`` and ``pick_topk(..., sign=-1)`` (each side holding at least
-    k candidates, none zero) in one split and two picks over one side each."""
+    """The k largest positive and the k largest negative candidates (a sign with at most k
+    gives all of them; none is zero), in one split and a pick over each side."""
     pi, pv, ni, nv = _split_sides(cidx.numpy(), cval.numpy())
     sides = []
     for i, v in ((pi, pv), (ni, nv)):
