@@ -168,11 +168,11 @@ def decode_one(buf: torch.Tensor, offset: int, read, numel: int = 2**62, known=N
     if count > numel:
         raise PayloadError(f"payload at byte {offset} claims {count} entries, more than the "
                            f"bucket's {numel}")
-    if known is not None and known.dim() != 1:
-        known = known.reshape(-1)
-    if known is not None and known.numel() != count:
-        raise PayloadError(f"payload at byte {offset} holds {count} entries where this rank "
-                           f"sent {known.numel()}")
+    if known is not None:
+        known = known if known.dim() == 1 else known.reshape(-1)
+        if known.numel() != count:
+            raise PayloadError(f"payload at byte {offset} holds {count} entries where this "
+                               f"rank sent {known.numel()}")
     vdt = _VALUE_DTYPES[vcode]
     pos = offset + HEADER_BYTES
     complete = None
