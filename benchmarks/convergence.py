@@ -105,6 +105,9 @@ def levers(steps):
                                                        "model", *warm, *cool],
         "topk1%-update-global-warmup": ["--density", "0.01", *update, "--scope", "model",
                                         *warm],
+        # the ResNet's best SGD setting under a cosine rate (exchanged updates with the density
+        # warm-up, benchmarks/accuracy.py) on the LSTM, with and without the cool-down
+        "topk1%-update-warmup-cooldown": ["--density", "0.01", *update, *warm, *cool],
         # the two levers that helped the Transformer most, together, within the byte
         # budget (10% of dense): DGC's density warm-up, or the first 10 steps dense
         "topk1%-update-unidirectional-warmup": ["--density", "0.01", *update,
