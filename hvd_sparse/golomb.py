@@ -96,24 +96,29 @@ def encode_vectorised(positions: torch.Tensor, b: int) -> torch.Tensor:
 try:  # the coder's sequential forms: compiled when numba is there
     from numba import njit
 
+    _MASK63 = (1 << 63) - 1
+
     @njit(cache=True, inline="always")
-    def _put(out, o, acc, nacc, v, length):
-        """Append the ``length`` low bits of ``v`` (most significant first) to the bit
-        accumulator, writing out every full byte; ``acc`` never holds more than 39 bits."""
-        while length > 0:
-            c = min(length, 32)
-            acc = (acc << c) | ((v >> (length - c)) & ((1 << c) - 1))
-            nacc += c
-            length -= c
-            while nacc >= 8:
-                nacc -= 8
-                out[o] = (acc >> nacc) & 255
-                o += 1
+    def _flush(out, o, acc, nacc):
+        """Write the accumulator's oldest 32 bits once it holds 32 or more (it never holds
+        more than 63: callers append at most 32 bits to at most 31)."""
+        if nacc >= 32:
+            v = acc >> (nacc - 32)
+            out[o] = (v >> 24) & 255
+            out[o + 1] = (v >> 16) & 255
+            out[o + 2] = (v >> 8) & 255
+            out[o + 3] = v & 255
+            o += 4
+            nacc -= 32
             acc &= (1 << nacc) - 1
         return o, acc, nacc
 
     @njit(cache=True)
     def _pack(pos, b):
+        """One sizing pass, then one coding pass that appends a whole codeword at a time to a
+        bit accumulator written out 4 bytes at a time; a codeword longer than 32 bits (a long
+        quotient, or b > 31) is appended 31 bits at a time. Few branches per position, and no
+        data-dependent loop in the common case."""
         total, prev = 0, -1
         for j in range(pos.size):
             gap = pos[j] - prev - 1
@@ -127,48 +132,108 @@ try:  # the coder's sequential forms: compiled when numba is there
             gap = pos[j] - prev - 1
             prev = pos[j]
             q = gap >> b
-            while q > 0:  # the quotient in unary, up to 32 ones at a time
-                c = min(q, 32)
-                o, acc, nacc = _put(out, o, acc, nacc, (1 << c) - 1, c)
+            length = q + 1 + b
+            if length <= 32:  # q ones, a zero, b remainder bits, in one append
+                acc = (acc << length) | ((((1 << q) - 1) << (b + 1)) | (gap & mask))
+                nacc += length
+                if nacc >= 32:  # (_flush written out: numba compiles this loop 2x faster)
+                    v = acc >> (nacc - 32)
+                    out[o] = (v >> 24) & 255
+                    out[o + 1] = (v >> 16) & 255
+                    out[o + 2] = (v >> 8) & 255
+                    out[o + 3] = v & 255
+                    o += 4
+                    nacc -= 32
+                    acc &= (1 << nacc) - 1
+                continue
+            while q > 0:
+                c = min(q, 31)
+                o, acc, nacc = _flush(out, o, (acc << c) | ((1 << c) - 1), nacc + c)
                 q -= c
-            # the terminating zero, then the remainder's b bits
-            o, acc, nacc = _put(out, o, acc, nacc, gap & mask, b + 1)
+            rem, left = gap & mask, b + 1  # the zero, then the remainder's bits
+            while left > 0:
+                c = min(left, 31)
+                o, acc, nacc = _flush(out, o, (acc << c) | ((rem >> (left - c)) & ((1 << c) - 1)),
+                                      nacc + c)
+                left -= c
+        while nacc >= 8:
+            nacc -= 8
+            out[o] = (acc >> nacc) & 255
+            o += 1
         if nacc:
             out[o] = (acc << (8 - nacc)) & 255
         return out, total
 
-    _LEADING_ONES = np.array([8 - len(bin(255 - v)) + 2 if v != 255 else 8 for v in range(256)],
-                             dtype=np.int64)
 
     @njit(cache=True)
     def _walk(data, count, b, leading_ones):
+        """Decode ``count`` codewords; returns (positions, how many were whole). A 63-bit window
+        (held in an int64, most significant bit first at bit 62, refilled 4 bytes at a time)
+        gives the quotient from a table on its top byte and the remainder by one shift; a
+        quotient of 8 or more, or a codeword past the window, goes bit by bit."""
         out = np.empty(count, dtype=np.int64)
-        pos, prev, n = 0, -1, data.size * 8
+        nbytes = data.size
+        n = nbytes * 8
+        buf, nbits, byte, used, prev = 0, 0, 0, 0, -1
+        mask = (1 << b) - 1
         for j in range(count):
-            q = 0
-            while True:  # the unary quotient, a byte at a time
-                if pos >= n:
-                    return out, j  # ran out of bits
-                off = pos & 7
-                ones = leading_ones[(data[pos >> 3] << off) & 255]
-                if ones < 8 - off:
-                    q += ones
-                    pos += ones + 1  # past the terminating zero
-                    break
-                q += 8 - off
-                pos += 8 - off
-            if pos + b > n:
-                return out, j
-            rem, need = 0, b
-            while need > 0:  # the remainder, up to a byte at a time
-                avail = 8 - (pos & 7)
-                take = min(avail, need)
-                rem = (rem << take) | ((data[pos >> 3] >> (avail - take)) & ((1 << take) - 1))
-                pos += take
-                need -= take
+            if nbits < 32:  # refill: 4 bytes below the valid bits (63-bit window, MSB at bit 62)
+                if byte + 4 <= nbytes:
+                    w = (np.int64(data[byte]) << 24) | (np.int64(data[byte + 1]) << 16) | \
+                        (np.int64(data[byte + 2]) << 8) | np.int64(data[byte + 3])
+                    buf |= w << (31 - nbits)
+                    nbits += 32
+                    byte += 4
+                else:
+                    while byte < nbytes and nbits <= 55:
+                        buf |= np.int64(data[byte]) << (55 - nbits)
+                        nbits += 8
+                        byte += 1
+            q = leading_ones[buf >> 55]
+            if q < 8 and q + 1 + b <= nbits:
+                c = q + 1 + b
+                if used + c > n:
+                    return out, j
+                rem = (buf >> (63 - c)) & mask
+                buf = (buf << c) & _MASK63
+                nbits -= c
+                used += c
+            else:  # a long quotient or the window's end: bit by bit
+                q = 0
+                while True:
+                    if used >= n:
+                        return out, j
+                    if nbits == 0:
+                        while byte < nbytes and nbits <= 55:
+                            buf |= np.int64(data[byte]) << (55 - nbits)
+                            nbits += 8
+                            byte += 1
+                    bit = buf >> 62
+                    buf = (buf << 1) & _MASK63
+                    nbits -= 1
+                    used += 1
+                    if bit == 0:
+                        break
+                    q += 1
+                if used + b > n:
+                    return out, j
+                rem = 0
+                for _ in range(b):
+                    if nbits == 0:
+                        while byte < nbytes and nbits <= 55:
+                            buf |= np.int64(data[byte]) << (55 - nbits)
+                            nbits += 8
+                            byte += 1
+                    rem = (rem << 1) | (buf >> 62)
+                    buf = (buf << 1) & _MASK63
+                    nbits -= 1
+                    used += 1
             prev = prev + 1 + (q << b) + rem
             out[j] = prev
         return out, count
+
+    _LEADING_ONES = np.array([8 - len(bin(255 - v)) + 2 if v != 255 else 8 for v in range(256)],
+                             dtype=np.int64)
 except ImportError:  # pragma: no cover - depends on the installation
     _pack = _walk = None
 
