@@ -23,7 +23,7 @@ def runs(args):
           "--steps-per-epoch", str(args.lstm_steps)]
     # 10% of the Fashion-MNIST run (60,000 images, batch 64 per rank), for the density warm-up
     warm = str(max(1, args.epochs * (60000 // (64 * args.ranks)) // 10))
-    return {
+    return {name: _gradient_unless_named(extra) for name, extra in {
         "fashion/dense": fm + ["--optimizer", "dense"],
         # the sparse method itself: the time cost model could send buckets dense
         "fashion/topk-1%": fm + ["--density", "0.01", "--cost-model", "off",
@@ -71,12 +71,26 @@ def runs(args):
                 ("global", ["--scope", "model"]),
                 ("update", ["--exchange", "update"]),
                 ("warmup-update", ["--density-warmup-steps", warm, "--exchange", "update"]))},
+        # the training CLI's SGD default (exchanged updates, the density warm-up) under its
+        # constant rate
+        "fashion/topk-1%-warmup-update": fm + ["--density", "0.01", "--cost-model", "off",
+                                               "--collective", "allgather",
+                                               "--density-warmup-steps", warm,
+                                               "--exchange", "update"],
         "shakespeare/dense": sh + ["--optimizer", "dense"],
         "shakespeare/topk-1%": sh + ["--density", "0.01", "--cost-model", "off",
                                      "--collective", "allgather"],
         "shakespeare/topk-1%-sharded": sh + ["--density", "0.01", "--cost-model", "off",
                                              "--collective", "sharded"],
-    }
+    }.items()}
+
+
+def _gradient_unless_named(extra):
+    """The sparse runs exchange gradients (as measured before the training CLI's SGD default
+    became the update exchange) unless they name ``--exchange``."""
+    if "--optimizer" in extra or "--exchange" in extra:
+        return extra
+    return extra + ["--exchange", "gradient"]
 
 
 def main():

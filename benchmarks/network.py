@@ -10,8 +10,9 @@ its cores and memory bandwidth. Configurations are interleaved (floor, dense, ea
 variant, then again) so slow drifts of the machine hit all of them alike; each repeat times
 ``--steps`` steps after two warm-up steps and the row keeps the median over repeats.
 
-Sparse variants: ``topk`` is what a user gets by default (the time-based cost model may send
-buckets dense); ``topk_mpi4py`` is the same defaults on the mpi4py front end (``--transport
+Sparse variants exchange gradients unless named ``_update``: ``topk`` is the library's default
+for SGD (the time-based cost model may send buckets dense); ``topk_update`` is the training
+CLI's SGD default (each rank's update exchanged); ``topk_mpi4py`` is the same defaults on the mpi4py front end (``--transport
 mpi``: no Horovod, so no background loop waking every cycle); ``topk_sparse`` (allgather),
 ``topk_sharded`` (``--collective sharded``) and
 the other methods run with ``--cost-model off``, so they show the sparse path itself. Their per-stage means (uplink select, encode, collective wait,
@@ -37,24 +38,31 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = str(ROOT / ".venv" / "bin" / "python")
 
 OFF = ["--cost-model", "off"]
+#: the sparse rows exchange gradients (the library's contract for SGD) unless named otherwise:
+#: the training CLI's own SGD default exchanges updates (``topk_update``)
+SPARSE = ["--optimizer", "sparse", "--exchange", "gradient"]
 OPTIMIZERS = {
     "floor": ["--optimizer", "local"],
     "dense": ["--optimizer", "dense"],
-    "topk": ["--optimizer", "sparse", "--sparsifier", "topk"],
-    "topk_sparse": ["--optimizer", "sparse", "--sparsifier", "topk", "--collective", "allgather",
+    "topk": [*SPARSE, "--sparsifier", "topk"],
+    "topk_sparse": [*SPARSE, "--sparsifier", "topk", "--collective", "allgather",
                     *OFF],
-    "topk_sharded": ["--optimizer", "sparse", "--sparsifier", "topk", "--collective", "sharded",
+    "topk_sharded": [*SPARSE, "--sparsifier", "topk", "--collective", "sharded",
                      *OFF],
     # the mpi4py front end (hvd_sparse.mpi): the same engine with no Horovod background loop
-    "topk_mpi4py": ["--optimizer", "sparse", "--sparsifier", "topk", "--transport", "mpi"],
-    "gaussiank": ["--optimizer", "sparse", "--sparsifier", "gaussiank", *OFF],
-    "threshold": ["--optimizer", "sparse", "--sparsifier", "threshold", "--threshold", "6e-3",
+    "topk_mpi4py": [*SPARSE, "--sparsifier", "topk", "--transport", "mpi"],
+    "gaussiank": [*SPARSE, "--sparsifier", "gaussiank", *OFF],
+    "threshold": [*SPARSE, "--sparsifier", "threshold", "--threshold", "6e-3",
                   *OFF],
-    "adaptive": ["--optimizer", "sparse", "--sparsifier", "adaptive", *OFF],
-    "sbc": ["--optimizer", "sparse", "--sparsifier", "sbc", *OFF],
+    "adaptive": [*SPARSE, "--sparsifier", "adaptive", *OFF],
+    "sbc": [*SPARSE, "--sparsifier", "sbc", *OFF],
+    # the training CLI's SGD default: each rank's update exchanged, after a density warm-up
+    # (which the benchmark's two warm-up steps do not reach: --density-warmup-steps 0)
+    "topk_update": ["--optimizer", "sparse", "--sparsifier", "topk", "--exchange", "update",
+                    "--density-warmup-steps", "0"],
     # the default with acc left to a commit pass after the collective instead of written by
     # the uplink's scan (HVD_SPARSE_ACC_IN_SCAN=off)
-    "topk_commit_pass": ["--optimizer", "sparse", "--sparsifier", "topk"],
+    "topk_commit_pass": [*SPARSE, "--sparsifier", "topk"],
 }
 #: environment a configuration runs under, beside the launcher's
 ENV = {"topk_commit_pass": {"HVD_SPARSE_ACC_IN_SCAN": "off"}}

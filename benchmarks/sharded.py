@@ -37,6 +37,7 @@ def measure_bytes(ranks, collective, steps, density):
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
         cmd = [PY, "-m", "hvd_sparse.train", "--ranks", str(ranks), "--model", "mlp11m",
                "--density", str(density), "--cost-model", "off", "--collective", collective,
+               "--exchange", "gradient",
                "--benchmark-steps", str(steps), "--no-progress", "--metrics", f.name]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
         if proc.returncode != 0:

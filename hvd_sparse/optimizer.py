@@ -285,7 +285,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
 
     Method keywords: ``threshold`` (for ``"threshold"``), ``min_density``, ``max_density``
     (for ``"adaptive"``), ``sparsifier_options`` (any other constructor keywords),
-    ``index_coding`` (``"plain"`` or ``"golomb"``; default Golomb for ``"sbc"``).
+    ``index_coding``: how positions go on the wire: ``"plain"`` (32- or 64-bit integers),
+    ``"golomb"`` (Golomb-Rice gaps, about 8 bits per position at 1%) or ``"auto"`` (the
+    default, Golomb-Rice always for ``"sbc"``): per bucket, the time cost model's choice at
+    calibration, Golomb-Rice where its codec time (timed at start-up, agreed across ranks)
+    costs less than the wire time it saves; plain before calibration, with ``cost_model`` other
+    than ``"time"``, on GPUs and for the sharded exchange.
     ``total_steps`` is the run's length in optimizer steps, where known: adaptive Top-K plans its
     budget over it, and ``density_cooldown_steps`` > 0 raises the density geometrically to
     ``cooldown_density`` (default 0.1) over that many last steps of it (``hvd_sparse.dgc``:

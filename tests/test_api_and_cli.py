@@ -157,28 +157,49 @@ def test_training_cli_transformer_adamw_update_exchange(tmp_path, mpi_available)
 
 
 @pytest.mark.parametrize("base, exchange, given, want", [
-    ("adamw", "auto", {}, (False, 30)),  # the study's best setting, 10% of 300 steps
-    ("adamw", "update", {}, (False, 30)),
-    ("adamw", "gradient", {}, (True, 0)),  # gradients: the library's defaults
-    ("sgd", "auto", {}, (True, 0)),
-    ("sgd", "update", {}, (True, 0)),  # worse on the LSTM
-    ("adamw", "auto", {"bidirectional": True, "density_warmup_steps": 0}, (True, 0)),
-    ("adamw", "auto", {"density_warmup_steps": 7}, (False, 7)),
+    # (exchange, bidirectional, density warm-up steps) the CLI settles on
+    ("adamw", "auto", {}, ("auto", False, 30)),  # the study's best setting, 10% of 300 steps
+    ("adamw", "update", {}, ("update", False, 30)),
+    ("adamw", "gradient", {}, ("gradient", True, 0)),  # gradients: the library's defaults
+    ("sgd", "auto", {}, ("update", True, 30)),  # updates, downlink kept, the warm-up
+    ("sgd", "update", {}, ("update", True, 30)),
+    ("sgd", "gradient", {}, ("gradient", True, 0)),
+    # SGD with a gradient lever keeps gradients
+    ("sgd", "auto", {"momentum_correction": True}, ("gradient", True, 0)),
+    ("sgd", "auto", {"density_cooldown_steps": 30}, ("gradient", True, 0)),
+    ("adamw", "auto", {"bidirectional": True, "density_warmup_steps": 0}, ("auto", True, 0)),
+    ("adamw", "auto", {"density_warmup_steps": 7}, ("auto", False, 7)),
+    ("sgd", "auto", {"bidirectional": False, "density_warmup_steps": 0}, ("update", False, 0)),
 ])
-def test_cli_defaults_for_adaptive_updates(base, exchange, given, want):
-    from hvd_sparse.train.__main__ import adaptive_defaults, parse_args
+def test_cli_exchange_defaults(base, exchange, given, want):
+    from hvd_sparse.train.__main__ import exchange_defaults, parse_args
 
     argv = ["--base-optimizer", base, "--exchange", exchange]
     if "bidirectional" in given:
         argv.append("--bidirectional" if given["bidirectional"] else "--no-bidirectional")
-    if "density_warmup_steps" in given:
-        argv += ["--density-warmup-steps", str(given["density_warmup_steps"])]
+    for flag in ("density_warmup_steps", "density_cooldown_steps"):
+        if flag in given:
+            argv += ["--" + flag.replace("_", "-"), str(given[flag])]
+    if given.get("momentum_correction"):
+        argv.append("--momentum-correction")
     args = parse_args(argv)
     args.total_steps = 300
     params = [torch.nn.Parameter(torch.zeros(3))]
     opt = torch.optim.AdamW(params) if base == "adamw" else torch.optim.SGD(params, lr=0.1)
-    adaptive_defaults(args, opt)
-    assert (args.bidirectional, args.density_warmup_steps) == want
+    exchange_defaults(args, opt)
+    assert (args.exchange, args.bidirectional, args.density_warmup_steps) == want
+
+
+def test_cli_dense_and_local_runs_keep_auto():
+    """The exchange defaults are the sparse optimizer's: a dense or local run is left as given."""
+    from hvd_sparse.train.__main__ import exchange_defaults, parse_args
+
+    for optimizer in ("dense", "local"):
+        args = parse_args(["--optimizer", optimizer])
+        args.total_steps = 300
+        exchange_defaults(args, torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1))
+        assert (args.exchange, args.bidirectional, args.density_warmup_steps) == \
+            ("auto", True, 0)
 
 
 @pytest.mark.parametrize("base,given,cosine", [

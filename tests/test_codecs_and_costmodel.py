@@ -124,3 +124,62 @@ def test_calibration_grows_the_transfer_past_a_cycle_locked_latency(monkeypatch,
     else:  # stopped at the largest bucket: what that size costs is what the model sees
         bucket = max(largest, 4 << 20)
         assert costmodel.dense_time(bucket, 2, link) == pytest.approx(times[3], rel=1e-6)
+
+
+@pytest.mark.parametrize("bandwidth,want", [(1e6, "golomb"), (1e12, "plain")])
+def test_index_coding_auto_follows_the_link(monkeypatch, bandwidth, want):
+    """``index_coding="auto"``: Golomb-Rice positions where the wire time they save exceeds
+    their codec time (here 10 ns per position each way), plain where the link is fast; the
+    payloads then really carry the chosen code, and the choice survives a checkpoint."""
+    from hvd_sparse.engine import calibration
+
+    mib4 = 4 << 20
+    link = [1e-4, 1e-4 + 2 * mib4 / bandwidth, 1.0, 1.0 + mib4 / 1e6]  # dense costs seconds
+    monkeypatch.setattr(calibration, "measure_link",
+                        lambda transport, device, large_bytes: list(link))
+    monkeypatch.setattr(calibration, "measure_codec", lambda density: [1e-8, 1e-8])
+    torch.manual_seed(0)
+    m = torch.nn.Linear(1000, 100)
+    opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01),
+                                          named_parameters=m.named_parameters(), density=0.01,
+                                          min_sparse_numel=0, calibration_steps=1,
+                                          check_config=False, transport=_EchoTransport())
+    sent = []
+    for _ in range(4):
+        opt.zero_grad()
+        m(torch.randn(8, 1000)).pow(2).sum().backward()
+        opt.step()
+        sent.append(opt.communication_stats()["bytes_sent"])  # this step's
+    report = opt.communication_stats()["cost_model"]
+    assert report["golomb_s_per_position"] == [1e-8, 1e-8]
+    weight = report["buckets"]["weight"]
+    assert weight["mode"] == "sparse" and weight["index_coding"] == want
+    if want == "plain":  # the code was priced and lost
+        assert weight["golomb_allgather_s"] >= weight["allgather_s"]
+    # step 0 is before calibration (plain); the last step sends the chosen code
+    assert (sent[-1] < 0.8 * sent[0]) == (want == "golomb")
+    # the choice is part of the checkpoint: a resumed run sends the same code at once
+    m2 = torch.nn.Linear(1000, 100)
+    m2.load_state_dict(m.state_dict())
+    opt2 = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.01),
+                                           named_parameters=m2.named_parameters(), density=0.01,
+                                           min_sparse_numel=0, calibration_steps=1,
+                                           check_config=False, transport=_EchoTransport())
+    opt2.load_state_dict(opt.state_dict())
+    opt2.zero_grad()
+    m2(torch.randn(8, 1000)).pow(2).sum().backward()
+    opt2.step()
+    assert (opt2.communication_stats()["bytes_sent"] < 0.8 * sent[0]) == (want == "golomb")
+
+
+def test_golomb_trade():
+    """The codec's time is charged once for this rank's payload and once per other rank's;
+    the bytes saved are the positions' length against the code's expected length."""
+    from hvd_sparse import costmodel, golomb
+
+    link = costmodel.Link(0.0, 1e8, 0.0, 1e8)
+    codec_s, saved_s, saved = costmodel.golomb_trade(4000, 4, 100_000, 4, 1e-8, 2e-8, link)
+    bits = golomb.expected_bits_per_position(0.01)
+    assert saved == pytest.approx(4000 * (4 - bits / 8))
+    assert saved_s == pytest.approx(saved / 1e8)
+    assert codec_s == pytest.approx(1000 * 1e-8 + 3000 * 2e-8)

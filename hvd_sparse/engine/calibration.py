@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from .. import costmodel
+from .. import costmodel, golomb
 
 SMALL_BYTES = 64
 LARGE_BYTES = 4 << 20
@@ -91,3 +91,22 @@ def link_from(times, world_size: int, large_bytes: int = LARGE_BYTES) -> costmod
                                      world_size * large_bytes, g_large)
     r_lat, r_bw = costmodel.fit_line(SMALL_BYTES, r_small, large_bytes, r_large)
     return costmodel.Link(g_lat, g_bw, r_lat, r_bw)
+
+
+#: how many positions the codec is timed on (about what a 10M-entry bucket sends at 1%)
+CODEC_POSITIONS = 1 << 16
+
+
+def measure_codec(density: float, count: int = CODEC_POSITIONS, reps: int = 3) -> list:
+    """This rank's [encode, decode] seconds per position of the Golomb-Rice position code at
+    ``density`` (CPU), on positions drawn as the code expects them (geometric gaps; the same
+    draw on every rank)."""
+    density = min(max(float(density), 1e-6), 0.5)
+    gaps = np.random.default_rng(0).geometric(density, size=count)
+    positions = torch.from_numpy(np.cumsum(gaps) - 1)
+    b = golomb.optimal_parameter(density)
+    data = golomb.encode_tensor(positions, b).numpy().tobytes()
+    golomb.decode(data, count, b)  # warm-up (compiled code loaded)
+    enc = _timed(lambda: golomb.encode_tensor(positions, b), reps)
+    dec = _timed(lambda: golomb.decode(data, count, b), reps)
+    return [enc / count, dec / count]

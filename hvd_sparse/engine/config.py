@@ -42,6 +42,8 @@ def resolve_exchange(exchange: str, optimizer, backward_passes_per_step: int,
         return "gradient"
     return "update" if isinstance(optimizer, adaptive_optimizer_classes()) else "gradient"
 NONFINITE = ("propagate", "raise", "skip", "ignore")
+#: the position codes on the wire, and "auto": per bucket, the time cost model's choice
+INDEX_CODINGS = wire.INDEX_CODINGS + ("auto",)
 
 
 @dataclass(frozen=True)
@@ -184,9 +186,9 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
     # The downlink gets its own instance: a stateful method keeps separate state per direction.
     down = copy.deepcopy(up)
     if index_coding is None:
-        index_coding = "golomb" if up.constant_value else "plain"
-    if index_coding not in wire.INDEX_CODINGS:
-        raise ValueError(f"index_coding must be one of {wire.INDEX_CODINGS}, got {index_coding!r}")
+        index_coding = "golomb" if up.constant_value else "auto"
+    if index_coding not in INDEX_CODINGS:
+        raise ValueError(f"index_coding must be one of {INDEX_CODINGS}, got {index_coding!r}")
     if isinstance(momentum_correction, bool) or not isinstance(momentum_correction, (int, float)) \
             or not 0.0 <= momentum_correction < 1.0:
         raise ValueError(f"momentum_correction must be in [0, 1), got {momentum_correction!r}")

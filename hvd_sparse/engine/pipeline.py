@@ -103,6 +103,8 @@ class Engine:
         self.calibrated_at: Optional[int] = None
         self._measured: Dict[int, float] = {}  # per bucket: least sparse compute seen
         self._wire_bytes: Dict[int, int] = {}  # per bucket: largest payload seen
+        self._wire_entries: Dict[int, int] = {}  # per bucket: most positions gathered
+        self.codec: Optional[list] = None  # Golomb-Rice [encode, decode] s per position, agreed
         # replicated state is compared (and, if it differs, taken from the root) before the
         # first exchange, after load_state_dict and when the world size changes: agreement.py
         self.agreement_due = True
@@ -265,6 +267,8 @@ class Engine:
                 load = entry.get("load")
                 st.load = None if load is None else load.double().to(device).clone()
                 st.costs = dict(entry.get("costs", {}))
+                if self.config.index_coding == "auto":
+                    st.index_coding = st.costs.get("index_coding", "plain")
             a = saved.get("anchors", {}).get(b.name)
             st.anchor = None if a is None else a.to(device).clone()
         self.steps = int(saved.get("steps", 0))
@@ -307,6 +311,15 @@ class Engine:
         ``deterministic_dense`` at 3 or more ranks, else ``"reduce"`` (an allreduce)."""
         return "gather" if (self.config.deterministic_dense and self.transport.size() > 2) \
             else "reduce"
+
+    def index_coding(self, b) -> str:
+        """The positions' code for the bucket's payloads: the configured one, or under
+        ``"auto"`` the time cost model's choice (plain before it has chosen, on a device, and
+        for the sharded exchange, whose payloads are split by region)."""
+        coding = self.config.index_coding
+        if coding != "auto":
+            return coding
+        return "plain" if self.collective(b) == "sharded" else self.state[b.index].index_coding
 
     def collective(self, b) -> str:
         """How a sparse bucket is exchanged this step: ``"allgather"`` or ``"sharded"`` (the
@@ -541,7 +554,7 @@ class Engine:
                 payload, splits = sharded.encode_parts(
                     idx, wire_values, self._bounds(b),
                     constant=c.sparsifier.constant_value, index_dtype=b.index_dtype, tag=b.tag,
-                    numel=b.numel, index_coding=c.index_coding, nonfinite=nonfinite)
+                    numel=b.numel, index_coding=self.index_coding(b), nonfinite=nonfinite)
             with self.clock.stage("collective_wait"):  # mpi4py exchanges the sizes first
                 handle = self.transport.alltoall_async(payload, splits, name)
             self.inflight[b.index] = InFlight("sharded", handle, ctx,
@@ -559,7 +572,7 @@ class Engine:
             st.shard, st.shard_layout = None, None
         with self.clock.stage("encode", b.index):
             payload = wire.encode(idx, wire_values, index_dtype=b.index_dtype, tag=b.tag,
-                                  numel=b.numel, index_coding=c.index_coding,
+                                  numel=b.numel, index_coding=self.index_coding(b),
                                   constant=c.sparsifier.constant_value, nonfinite=nonfinite)
         with self.clock.stage("collective_wait"):  # may block (mpi4py exchanges sizes first)
             handle = self.transport.allgather_async(payload, name)
@@ -793,6 +806,8 @@ class Engine:
                           dense=b.nbytes, selected=job.selected, numel=b.numel,
                           target=job.target, error=job.error, downlink_selected=down_selected)
         self._wire_bytes[b.index] = max(self._wire_bytes.get(b.index, 0), gathered_bytes)
+        self._wire_entries[b.index] = max(self._wire_entries.get(b.index, 0),
+                                          sum(p.indices.numel() for p in payloads))
 
     # ----------------------------------------------------------------- sharded exchange
     def _bounds(self, b):
@@ -1012,7 +1027,8 @@ class Engine:
             constant = False
         with self.clock.stage("encode", b.index):
             payload = wire.encode(idx + lo, wire_values, index_dtype=b.index_dtype, tag=b.tag,
-                                  numel=b.numel, index_coding=c.index_coding, constant=constant)
+                                  numel=b.numel, index_coding=self.index_coding(b),
+                                  constant=constant)
         handle = self.transport.allgather_async(payload, f"hvd_sparse.{b.index}.{b.name}.down")
         self._serving[b.index] = (handle, payload.numel(), codec, a2a_bytes)
 
@@ -1291,8 +1307,10 @@ class Engine:
             safety.verify_replicas(self.transport, named, self.steps)
 
     def calibrate(self) -> None:
-        """Time the link, agree on every measurement (maximum over ranks), then choose sparse or
-        dense per bucket from time: own compute + allgather against a dense allreduce."""
+        """Time the link, agree on every measurement (maximum over ranks), then choose per
+        bucket from time (own compute + allgather against a dense allreduce): sparse or dense,
+        and under ``index_coding="auto"`` plain or Golomb-Rice positions (codec time against
+        the wire time the shorter positions save)."""
         c = self.config
         size = self.transport.size()
         device = self.buckets[0].params[0].device if self.buckets else "cpu"
@@ -1300,20 +1318,42 @@ class Engine:
         times, large = calibration.agreed_link(
             self.transport, device, max((b.nbytes for b in self.buckets), default=0))
         self.link = calibration.link_from(times, size, large)
+        n = len(sparse)
         local = [self._measured.get(b.index, 0.0) for b in sparse]
         local += [float(self._wire_bytes.get(b.index, 0)) for b in sparse]
+        local += [float(self._wire_entries.get(b.index, 0)) for b in sparse]
+        coding = c.index_coding == "auto" and torch.device(device).type == "cpu" and n > 0
+        if coding:
+            local += calibration.measure_codec(c.density)
         agreed = calibration.agree_max(self.transport, local) if local else []
-        compute = agreed[:len(sparse)]
-        gathered = agreed[len(sparse):]
+        compute, gathered, entries = agreed[:n], agreed[n:2 * n], agreed[2 * n:3 * n]
+        self.codec = [float(x) for x in agreed[3 * n:]] if coding else None
         by = "gather" if (c.deterministic_dense and size > 2) else "reduce"
         ratio = c.downlink_density / c.density
-        for b, cs, nbytes in zip(sparse, compute, gathered):
+        for b, cs, nbytes, count in zip(sparse, compute, gathered, entries):
             st = self.state[b.index]
             if nbytes <= 0:  # never went sparse: no measurement, keep the current choice
                 continue
+            cs_golomb = bytes_golomb = None
+            if coding and count > 0:
+                codec_s, _, saved = costmodel.golomb_trade(
+                    count, size, b.numel, _itemsize(b.index_dtype), *self.codec, self.link)
+                if st.index_coding == "golomb":  # measured with the code: its share out
+                    cs, nbytes = max(0.0, cs - codec_s), nbytes + saved
+                cs_golomb, bytes_golomb = cs + codec_s, nbytes - saved
             t_gather = costmodel.sparse_time(cs, nbytes, self.link)
+            t_golomb = None if cs_golomb is None else \
+                costmodel.sparse_time(cs_golomb, bytes_golomb, self.link)
             hist = sharded.HISTOGRAM_TENSOR_BYTES if self._global_rule(b) else 0
             t_sharded = costmodel.sharded_time(cs, nbytes / size, size, self.link, ratio, hist)
+            if coding:
+                choice = "golomb" if t_golomb is not None and t_golomb < t_gather else "plain"
+                if choice != st.index_coding:  # measure the bucket anew under its new code
+                    st.index_coding = choice
+                    for seen in (self._measured, self._wire_bytes, self._wire_entries):
+                        seen.pop(b.index, None)
+                if choice == "golomb":
+                    t_gather = t_golomb
             if c.collective == "auto":
                 self._set_collective(b, "sharded" if t_sharded < t_gather
                                      and not self._exact_by_allgather(b) else "allgather")
@@ -1325,7 +1365,10 @@ class Engine:
                 self._regions_to_replicated(b)
             st.costs = {"sparse_s": t_sparse, "dense_s": t_dense, "compute_s": cs,
                         "gathered_bytes": nbytes, "allgather_s": t_gather,
-                        "sharded_s": t_sharded, "collective": self.collective(b)}
+                        "sharded_s": t_sharded, "collective": self.collective(b),
+                        "index_coding": self.index_coding(b)}
+            if t_golomb is not None:
+                st.costs["golomb_allgather_s"] = t_golomb
         self.calibrated_at = self.steps
 
     def downlink_paths(self) -> dict:
@@ -1339,6 +1382,7 @@ class Engine:
         """The cost model's inputs and choices (part of ``communication_stats()``)."""
         return {"rule": self.config.cost_model, "calibrated_at_step": self.calibrated_at,
                 "link": self.link.as_dict() if self.link else None,
+                "golomb_s_per_position": self.codec,
                 "buckets": {b.name: dict(self.state[b.index].costs,
                                          mode=self.state[b.index].mode)
                             for b in self.buckets if b.sparse}}

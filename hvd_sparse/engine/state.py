@@ -31,6 +31,8 @@ class BucketState:
     shard: Optional[Residual] = None
     shard_layout: Optional[tuple] = None
     collective: str = "allgather"
+    # index_coding="auto": the positions' code the cost model chose (plain until it has)
+    index_coding: str = "plain"
     region_scratch: Optional[torch.Tensor] = None  # sharded, unidirectional: the region's sum
     # replicated: the region bounds (None: equal regions) and the load counted since the last
     # check, per position bin (sharded.load_counts of the gathered downlink positions)
