@@ -45,6 +45,9 @@ OPTIMIZERS = {
     "floor": ["--optimizer", "local"],
     "dense": ["--optimizer", "dense"],
     "topk": [*SPARSE, "--sparsifier", "topk"],
+    # the default with plain positions (index_coding="auto" lets the time cost model choose
+    # Golomb-Rice per bucket)
+    "topk_plain": [*SPARSE, "--sparsifier", "topk", "--index-coding", "plain"],
     "topk_sparse": [*SPARSE, "--sparsifier", "topk", "--collective", "allgather",
                     *OFF],
     "topk_sharded": [*SPARSE, "--sparsifier", "topk", "--collective", "sharded",
@@ -66,8 +69,8 @@ OPTIMIZERS = {
 }
 #: environment a configuration runs under, beside the launcher's
 ENV = {"topk_commit_pass": {"HVD_SPARSE_ACC_IN_SCAN": "off"}}
-PER_RANK_COUNT = ("floor", "dense", "topk", "topk_sparse", "topk_sharded", "topk_mpi4py",
-                  "topk_commit_pass")
+PER_RANK_COUNT = ("floor", "dense", "topk", "topk_plain", "topk_update", "topk_sparse",
+                  "topk_sharded", "topk_mpi4py", "topk_commit_pass")
 
 
 def run(cmd, timeout, env=None):
@@ -152,6 +155,9 @@ def main():
                         # what the cost model chose per bucket (dense, or the sparse collective)
                         row["choices"] = {
                             name: "dense" if b["mode"] == "dense" else b.get("collective")
+                            for name, b in last["cost_model"]["buckets"].items()}
+                        row["index_codings"] = {
+                            name: b.get("index_coding")
                             for name, b in last["cost_model"]["buckets"].items()}
                         row["buckets_sparse_capable"] = len(last["cost_model"]["buckets"])
                     rows.append(row)

@@ -81,6 +81,9 @@ def parse_args(argv=None):
                         "--momentum as its factor; the wrapped SGD runs without momentum)")
     p.add_argument("--min-sparse-numel", type=int, default=1024,
                    help="tensors with fewer entries are exchanged dense")
+    p.add_argument("--index-coding", default=None, choices=["auto", "plain", "golomb"],
+                   help="positions on the wire (default: the library's, auto: Golomb-Rice per "
+                        "bucket where the time cost model finds it pays)")
     p.add_argument("--exchange", default="auto", choices=["auto", "gradient", "update"],
                    help="what hvd_sparse sparsifies: gradients (Horovod's contract) or each "
                         "rank's optimizer update (auto: updates, except gradients for SGD with "
@@ -192,6 +195,7 @@ def build_optimizer(args, model, base, hvd):
     extra["density_cooldown_steps"] = args.density_cooldown_steps
     extra["cooldown_density"] = args.cooldown_density
     extra["exchange"] = args.exchange
+    extra["index_coding"] = args.index_coding
     extra["collective"] = args.collective
     extra["sharded_selection"] = args.sharded_selection
     extra["density_warmup_steps"] = args.density_warmup_steps
