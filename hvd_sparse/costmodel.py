@@ -76,11 +76,15 @@ def sparse_time(compute_s: float, received_bytes: float, link: Link) -> float:
     return compute_s + link.gather_latency_s + received_bytes / link.gather_bandwidth_Bps
 
 
-def dense_time(nbytes: float, world_size: int, link: Link, by: str = "reduce") -> float:
-    """One bucket's dense step: an allreduce of ``nbytes`` (or an allgather of P copies)."""
+def dense_time(nbytes: float, world_size: int, link: Link, by: str = "reduce",
+               fused: bool = False) -> float:
+    """One bucket's dense step: an allreduce of ``nbytes`` (or an allgather of P copies).
+    ``fused``: the step makes an allreduce anyway (tensors that are always dense), and
+    Horovod fuses the ones that are ready together, so the bucket adds its bytes and no
+    latency of its own."""
     if by == "gather":
         return link.gather_latency_s + world_size * nbytes / link.gather_bandwidth_Bps
-    return link.reduce_latency_s + nbytes / link.reduce_bandwidth_Bps
+    return (0.0 if fused else link.reduce_latency_s) + nbytes / link.reduce_bandwidth_Bps
 
 
 def sharded_time(compute_s: float, payload_bytes: float, world_size: int, link: Link,

@@ -183,3 +183,32 @@ def test_golomb_trade():
     assert saved == pytest.approx(4000 * (4 - bits / 8))
     assert saved_s == pytest.approx(saved / 1e8)
     assert codec_s == pytest.approx(1000 * 1e-8 + 3000 * 2e-8)
+
+
+@pytest.mark.parametrize("always_dense", [False, True])
+def test_dense_bucket_joining_an_allreduce_pays_no_latency(monkeypatch, always_dense):
+    """With a tensor that is always dense, the step makes an allreduce anyway and a bucket
+    that goes dense joins it (Horovod fuses them): its price is its bytes, not a latency of
+    its own. Links: 10 ms latency both ways; the bucket's dense bytes cost 5 ms."""
+    from hvd_sparse.engine import calibration
+
+    mib4 = 4 << 20
+    weight_bytes = 50 * 100 * 4
+    bw = weight_bytes / 5e-3
+    link = [1e-2, 1e-2 + 2 * mib4 / 1e12, 1e-2, 1e-2 + mib4 / bw]
+    monkeypatch.setattr(calibration, "measure_link",
+                        lambda transport, device, large_bytes: list(link))
+    torch.manual_seed(0)
+    m = torch.nn.Linear(100, 50)  # weight 5,000 entries; bias 50
+    opt = hvd_sparse.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.01), named_parameters=m.named_parameters(),
+        density=0.01, min_sparse_numel=1000 if always_dense else 0, calibration_steps=1,
+        check_config=False, transport=_EchoTransport())
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.randn(8, 100)).pow(2).sum().backward()
+        opt.step()
+    weight = opt.communication_stats()["cost_model"]["buckets"]["weight"]
+    assert weight["dense_s"] == pytest.approx(5e-3 + (0 if always_dense else 1e-2), rel=1e-2)
+    # the sparse price is the 10 ms gather latency plus a little compute
+    assert weight["mode"] == ("dense" if always_dense else "sparse")
