@@ -146,3 +146,14 @@ def test_time_cost_model_agrees_across_ranks(core):
         assert r["time_recalibrated_at"] == 6
     # every rank decided from the same agreed numbers
     assert all(r["time_report"] == core[0]["time_report"] for r in core)
+
+
+def test_golomb_positions_train_the_same_bits(core):
+    """Plain and Golomb-Rice positions give the same parameters; under "auto" over a slow link
+    every bucket that stayed sparse chose the code, alike on every rank."""
+    for r in core:
+        d = r["coding_digests"]
+        assert d["plain"] == d["golomb"]
+        sparse = [coding for mode, coding in r["coding_auto"].values() if mode == "sparse"]
+        assert sparse and set(sparse) == {"golomb"}
+        assert r["coding_auto_equal"] and r["coding_params_equal"]

@@ -414,10 +414,48 @@ def scenario_time_cost_model(res):
     res["time_recalibrated_at"] = opt.communication_stats()["cost_model"]["calibrated_at_step"]
 
 
+def scenario_index_coding(res):
+    """Golomb-Rice positions are lossless on a real exchange: Top-K trains the same bits with
+    plain positions and with ``index_coding="golomb"``; under ``"auto"`` the time rule, told
+    of a slow link, codes every sparse bucket, alike on every rank."""
+    from hvd_sparse.engine import calibration
+
+    def run(coding, cost_model):
+        m = make_model(9)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05),
+                                       named_parameters=m.named_parameters(), density=0.05,
+                                       min_sparse_numel=0, collective="allgather",
+                                       cost_model=cost_model, calibration_steps=1,
+                                       index_coding=coding)
+        train(m, opt, 4)
+        return m, opt
+
+    digests = {}
+    for coding in ("plain", "golomb"):
+        m, opt = run(coding, "off")
+        digests[coding] = digest(flat_params(m))
+    measure = calibration.measure_link
+    # 1 MB/s for the allgather, a second for any allreduce: every bucket sparse, coded
+    calibration.measure_link = lambda transport, device, large_bytes: [
+        1e-4, 1e-4 + transport.size() * large_bytes / 1e6, 1.0, 1.0 + large_bytes / 1e6]
+    try:
+        m, opt = run("auto", "time")
+    finally:
+        calibration.measure_link = measure
+    buckets = opt.communication_stats()["cost_model"]["buckets"]
+    # (a bucket may go dense: at 3 or more ranks dense buckets are gathered too, and for the
+    # smallest ones P dense copies cost less than a payload's header)
+    codings = {name: (b["mode"], b["index_coding"]) for name, b in buckets.items()}
+    res["coding_digests"] = digests
+    res["coding_auto"] = codings
+    res["coding_auto_equal"] = all(x == codings for x in hvd.allgather_object(codings))
+    res["coding_params_equal"] = all_equal_digest(flat_params(m))
+
+
 SCENARIOS = [scenario_bad_input, scenario_reference, scenario_bitwise, scenario_dense_equivalence,
              scenario_bpps_guards, scenario_missing_grad, scenario_checkpoint,
              scenario_dense_fallback, scenario_time_cost_model, scenario_watch_mixed,
-             scenario_hybrid_transport]
+             scenario_hybrid_transport, scenario_index_coding]
 
 
 if __name__ == "__main__":
