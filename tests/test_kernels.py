@@ -340,3 +340,35 @@ def test_stream_zero_can_be_turned_off(monkeypatch):
     t = torch.randn(1 << 19)
     stream.zero_(t)
     assert torch.count_nonzero(t) == 0
+
+
+@pytest.mark.skipif(not cpu.available(), reason="numba is not installed")
+@pytest.mark.parametrize("method", ["topk", "sbc", "gaussiank"])
+@pytest.mark.parametrize("downlink", [False, True], ids=["up", "down"])
+def test_flush_denormal_keeps_zeros_out(method, downlink):
+    """Under ``torch.set_flush_denormal(True)`` the smallest positive float reads as zero, so a
+    threshold floored there would make every zero of a sparse vector a candidate (SBC would
+    send zeros). The floor is then the smallest normal float: the same selection as without
+    the flag."""
+    n, density = 300_000, 0.01
+    k = k_for_density(n, density)
+    gen = torch.Generator().manual_seed(5)
+    grad = torch.zeros(n)
+    where = torch.randperm(n, generator=gen)[:k // 2]  # fewer non-zeros than k
+    grad[where] = torch.randn(k // 2, generator=gen)
+    grad[grad > 0] *= 0.1  # SBC sends the negatives (had zeros joined them, their mean falls)
+    res = torch.zeros(n)
+    plain = run_both(cpu, SPARSIFIERS[method](), grad, res, density, downlink)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        assert select.tiny() == np.finfo(np.float32).tiny
+        flushed = run_both(cpu, SPARSIFIERS[method](), grad, res, density, downlink)
+    finally:
+        torch.set_flush_denormal(False)
+    assert select.tiny() == select.TINY
+    assert plain is not None and flushed is not None
+    assert_same(plain[0], flushed[0], "flushed")
+    if method == "sbc":  # (Top-K's definition takes k entries, zeros by lowest index)
+        idx = flushed[0][0]
+        assert 0 < idx.numel() <= k // 2 and bool((grad[idx] != 0).all()), "sent a zero"

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .. import wire
+from ..kernels import select
 
 
 def region_bounds(numel: int, size: int) -> Tuple[int, ...]:
@@ -202,5 +203,5 @@ def fine_threshold(b: int, above: int, fine, k: int) -> float:
     if j + 1 < counts.size and at_or_above[j] - k > k - at_or_above[j + 1]:
         j += 1
     if b == 0 and j == 0:
-        return TINY
+        return float(select.tiny())  # TINY, unless subnormals flush to zero
     return _bits_to_float((b << HIST_SHIFT) | (j << FINE_SHIFT))

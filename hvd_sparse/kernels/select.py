@@ -22,6 +22,18 @@ from .sums import fixed_point_sum
 
 INF = np.float32(np.inf)
 TINY = np.nextafter(np.float32(0), np.float32(1))  # the smallest positive float32
+#: the smallest normal float32: the floor instead of TINY where subnormals flush to zero
+NORMAL_TINY = np.finfo(np.float32).tiny
+_ONE = np.float32(1)
+
+
+def tiny() -> np.float32:
+    """The floor of every threshold, so that zeros are never candidates: TINY, or where the
+    calling thread flushes subnormals to zero (``torch.set_flush_denormal(True)``, under which
+    TINY itself reads as zero and a threshold at it would take every zero) the smallest normal
+    float, which compares alike in every thread, numba's workers included (they keep their
+    own floating-point mode). Subnormal entries then count as zeros."""
+    return TINY if TINY * _ONE > 0 else NORMAL_TINY
 
 
 @dataclass
@@ -75,11 +87,12 @@ def sampled_threshold(scores: np.ndarray, n: int, k: int) -> Optional[np.float32
     # a zero threshold would make every entry a candidate (a sparse aggregate plus a young
     # residual is mostly zeros): take only non-zeros. Partitioning only those gives the same
     # rank-th score and avoids numpy's slow selection among many equal values
-    positive = scores[scores > 0]
+    floor = tiny()
+    positive = scores[scores >= floor]
     if rank > positive.size:
-        return TINY
+        return floor
     t = np.partition(positive, positive.size - rank)[positive.size - rank]
-    return max(np.float32(t), TINY)
+    return max(np.float32(t), floor)
 
 
 def topk(ops, g, r, k: int, watch=None) -> Selection:
@@ -173,9 +186,10 @@ def sbc(ops, g, r, k: int) -> Optional[Selection]:
     # a side short of k: at the smallest positive threshold it holds every entry of its sign
     # (a sparse aggregate often has fewer than k of one sign); above it, the sample aimed too
     # high and that side is scanned again from the smallest one
-    if (ups < k and t_pos > TINY) or (downs < k and t_neg > TINY):
-        t_pos = TINY if ups < k else t_pos
-        t_neg = TINY if downs < k else t_neg
+    floor = tiny()
+    if (ups < k and t_pos > floor) or (downs < k and t_neg > floor):
+        t_pos = floor if ups < k else t_pos
+        t_neg = floor if downs < k else t_neg
         s = ops.scan(g, r, t_pos, t_neg, 6 * k)
         cidx, cval = ops.gather(g, r, s)
         ups = int((cval > 0).sum())

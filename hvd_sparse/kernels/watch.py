@@ -59,7 +59,7 @@ class ResidualWatch:
         """Before the payloads are scattered: keep the list only if ``residual`` is the tensor
         it describes and was not written since (``fresh``: just allocated, all zeros)."""
         if fresh:
-            self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), select.TINY)
+            self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), select.tiny())
         elif self.buffer is None or self.buffer() is not residual \
                 or residual._version != self.version:
             self.idx = None
@@ -107,14 +107,14 @@ class ResidualWatch:
             self.idx = None
         else:
             self._keep(*cpu.outside(cidx.numpy(), cval.numpy(), sel.idx.numpy(),
-                                    self._marks(n)), max(np.float32(t), select.TINY), k)
+                                    self._marks(n)), max(np.float32(t), select.tiny()), k)
         return sel
 
     def threshold(self, ops, r: torch.Tensor, t) -> select.Selection:
         if self._start():
             return select._empty(r, True)
         t = np.float32(t)
-        if self.idx is not None and select.TINY <= self.bound <= t and self._cheap(r.numel()):
+        if self.idx is not None and select.tiny() <= self.bound <= t and self._cheap(r.numel()):
             # every entry outside is below the bound, hence below t: only the list and the
             # touched positions can be selected
             mark = self._marks(r.numel())
@@ -125,7 +125,7 @@ class ResidualWatch:
             return select.Selection(idx, val, val, ordered=False)
         sel = select.threshold(ops, None, r, t)
         self.scanned += 1
-        if sel.nonfinite or t < select.TINY:
+        if sel.nonfinite or t < select.tiny():
             self.idx = None
         else:  # everything at or above t was taken: the rest lies below it
             self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), t)
@@ -159,7 +159,7 @@ class ResidualWatch:
             self.idx = None
         else:  # everything at or above its last threshold was taken; the rest lies below
             t = np.float32(np.abs(sel.values.numpy()).min()) if sel.idx.numel() else None
-            if t is None or t < select.TINY:
+            if t is None or t < select.tiny():
                 self.idx = None
             else:
                 self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), t)
