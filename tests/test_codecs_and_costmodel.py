@@ -63,6 +63,21 @@ class _EchoTransport(LocalTransport):
         return tensor
 
 
+def _echo_optimizer(m, **options):
+    """hvd_sparse over ``m`` on two echoing ranks, calibrated after its first step."""
+    options = {"density": 0.01, "min_sparse_numel": 0, **options}
+    return hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01),
+                                           named_parameters=m.named_parameters(),
+                                           calibration_steps=1, check_config=False,
+                                           transport=_EchoTransport(), **options)
+
+
+def _step(m, opt):
+    opt.zero_grad()
+    m(torch.randn(8, m.in_features)).pow(2).sum().backward()
+    opt.step()
+
+
 @pytest.mark.parametrize("fast", ["reduce", "gather"])
 def test_time_cost_model_decides_from_the_agreed_figures(monkeypatch, fast):
     from hvd_sparse.engine import calibration
@@ -76,14 +91,9 @@ def test_time_cost_model_decides_from_the_agreed_figures(monkeypatch, fast):
                         lambda transport, device, large_bytes: list(link))
     torch.manual_seed(0)
     m = torch.nn.Linear(100, 50)
-    opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01),
-                                          named_parameters=m.named_parameters(), density=0.01,
-                                          min_sparse_numel=0, calibration_steps=1,
-                                          check_config=False, transport=_EchoTransport())
+    opt = _echo_optimizer(m)
     for _ in range(3):
-        opt.zero_grad()
-        m(torch.randn(8, 100)).pow(2).sum().backward()
-        opt.step()
+        _step(m, opt)
     report = opt.communication_stats()["cost_model"]
     assert report["calibrated_at_step"] == 1
     want = "dense" if fast == "reduce" else "sparse"
@@ -140,15 +150,10 @@ def test_index_coding_auto_follows_the_link(monkeypatch, bandwidth, want):
     monkeypatch.setattr(calibration, "measure_codec", lambda density: [1e-8, 1e-8])
     torch.manual_seed(0)
     m = torch.nn.Linear(1000, 100)
-    opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01),
-                                          named_parameters=m.named_parameters(), density=0.01,
-                                          min_sparse_numel=0, calibration_steps=1,
-                                          check_config=False, transport=_EchoTransport())
+    opt = _echo_optimizer(m)
     sent = []
     for _ in range(4):
-        opt.zero_grad()
-        m(torch.randn(8, 1000)).pow(2).sum().backward()
-        opt.step()
+        _step(m, opt)
         sent.append(opt.communication_stats()["bytes_sent"])  # this step's
     report = opt.communication_stats()["cost_model"]
     assert report["golomb_s_per_position"] == [1e-8, 1e-8]
@@ -161,14 +166,9 @@ def test_index_coding_auto_follows_the_link(monkeypatch, bandwidth, want):
     # the choice is part of the checkpoint: a resumed run sends the same code at once
     m2 = torch.nn.Linear(1000, 100)
     m2.load_state_dict(m.state_dict())
-    opt2 = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.01),
-                                           named_parameters=m2.named_parameters(), density=0.01,
-                                           min_sparse_numel=0, calibration_steps=1,
-                                           check_config=False, transport=_EchoTransport())
+    opt2 = _echo_optimizer(m2)
     opt2.load_state_dict(opt.state_dict())
-    opt2.zero_grad()
-    m2(torch.randn(8, 1000)).pow(2).sum().backward()
-    opt2.step()
+    _step(m2, opt2)
     assert (opt2.communication_stats()["bytes_sent"] < 0.8 * sent[0]) == (want == "golomb")
 
 
@@ -200,14 +200,9 @@ def test_dense_bucket_joining_an_allreduce_pays_no_latency(monkeypatch, always_d
                         lambda transport, device, large_bytes: list(link))
     torch.manual_seed(0)
     m = torch.nn.Linear(100, 50)  # weight 5,000 entries; bias 50
-    opt = hvd_sparse.DistributedOptimizer(
-        torch.optim.SGD(m.parameters(), lr=0.01), named_parameters=m.named_parameters(),
-        density=0.01, min_sparse_numel=1000 if always_dense else 0, calibration_steps=1,
-        check_config=False, transport=_EchoTransport())
+    opt = _echo_optimizer(m, min_sparse_numel=1000 if always_dense else 0)
     for _ in range(3):
-        opt.zero_grad()
-        m(torch.randn(8, 100)).pow(2).sum().backward()
-        opt.step()
+        _step(m, opt)
     weight = opt.communication_stats()["cost_model"]["buckets"]["weight"]
     assert weight["dense_s"] == pytest.approx(5e-3 + (0 if always_dense else 1e-2), rel=1e-2)
     # the sparse price is the 10 ms gather latency plus a little compute
