@@ -104,6 +104,7 @@ class Engine:
         self._measured: Dict[int, float] = {}  # per bucket: least sparse compute seen
         self._wire_bytes: Dict[int, int] = {}  # per bucket: largest payload seen
         self._wire_entries: Dict[int, int] = {}  # per bucket: most positions gathered
+        self._measured_coding: Dict[int, str] = {}  # per bucket: the code those were seen with
         self.codec: Optional[list] = None  # Golomb-Rice [encode, decode] s per position, agreed
         # replicated state is compared (and, if it differs, taken from the root) before the
         # first exchange, after load_state_dict and when the world size changes: agreement.py
@@ -808,6 +809,7 @@ class Engine:
         self._wire_bytes[b.index] = max(self._wire_bytes.get(b.index, 0), gathered_bytes)
         self._wire_entries[b.index] = max(self._wire_entries.get(b.index, 0),
                                           sum(p.indices.numel() for p in payloads))
+        self._measured_coding[b.index] = self.index_coding(b)
 
     # ----------------------------------------------------------------- sharded exchange
     def _bounds(self, b):
@@ -1343,7 +1345,7 @@ class Engine:
             if coding and count > 0:
                 codec_s, _, saved = costmodel.golomb_trade(
                     count, size, b.numel, _itemsize(b.index_dtype), *self.codec, self.link)
-                if st.index_coding == "golomb":  # measured with the code: its share out
+                if self._measured_coding.get(b.index) == "golomb":  # its share out
                     cs, nbytes = max(0.0, cs - codec_s), nbytes + saved
                 cs_golomb, bytes_golomb = cs + codec_s, nbytes - saved
             t_gather = costmodel.sparse_time(cs, nbytes, self.link)
@@ -1351,12 +1353,10 @@ class Engine:
                 costmodel.sparse_time(cs_golomb, bytes_golomb, self.link)
             hist = sharded.HISTOGRAM_TENSOR_BYTES if self._global_rule(b) else 0
             t_sharded = costmodel.sharded_time(cs, nbytes / size, size, self.link, ratio, hist)
+            recode = False
             if coding:
                 choice = "golomb" if t_golomb is not None and t_golomb < t_gather else "plain"
-                if choice != st.index_coding:  # measure the bucket anew under its new code
-                    st.index_coding = choice
-                    for seen in (self._measured, self._wire_bytes, self._wire_entries):
-                        seen.pop(b.index, None)
+                recode, st.index_coding = choice != st.index_coding, choice
                 if choice == "golomb":
                     t_gather = t_golomb
             if c.collective == "auto":
@@ -1365,6 +1365,10 @@ class Engine:
             t_sparse = t_sharded if self.collective(b) == "sharded" else t_gather
             t_dense = costmodel.dense_time(b.nbytes, size, self.link, by, fused)
             st.mode = "dense" if t_dense < t_sparse else "sparse"
+            if recode and st.mode == "sparse":  # measured anew under its new code (a bucket
+                # gone dense keeps what it was seen doing, for a later recalibration)
+                for seen in (self._measured, self._wire_bytes, self._wire_entries):
+                    seen.pop(b.index, None)
             if st.mode == "dense" and self.collective(b) == "sharded":
                 # the first dense exchange flushes the downlink residual: it must be whole
                 self._regions_to_replicated(b)
