@@ -192,6 +192,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         out["totals"]["downlink_selections"] = engine.downlink_paths()
         out["totals"]["uplink_commits"] = dict(engine.commits)
         out["totals"]["gradient_reads"] = dict(engine.gradient_reads)
+        out["totals"]["weight_change_reads"] = dict(engine.weight_change_reads)
         out["cost_model"] = engine.cost_report()
         out["exchange"] = "update" if engine.config.exchanges_updates else "gradient"
         return out

@@ -96,6 +96,9 @@ class Engine:
         # multi-parameter gradients: read by the uplink scan in their p.grad pieces, or
         # copied into one flat buffer first
         self.gradient_reads = {"in_pieces": 0, "copied": 0}
+        # exchanged updates: the weight change formed by the uplink scan from params and
+        # anchor, or written whole first
+        self.weight_change_reads = {"in_scan": 0, "written": 0}
         # HVD_SPARSE_ACC_IN_SCAN=off: no acc written by the uplink scan, one commit pass after
         # the collective instead (the same bits; saves a spare buffer per one-parameter bucket)
         self._acc_in_scan = os.environ.get("HVD_SPARSE_ACC_IN_SCAN", "on") != "off"
@@ -367,9 +370,11 @@ class Engine:
                 return dense
         return None
 
-    def launch(self, b, flat=None, sparse_ids=frozenset()):
+    def launch(self, b, flat=None, sparse_ids=frozenset(), delta=None):
         """Run a bucket's uplink and start its collective (``flat``: given by the
-        communication-delay path; otherwise the gradients are read)."""
+        communication-delay path; otherwise the gradients are read). ``delta``: ``flat`` is
+        still unfilled and stands for the weight change ``pieces - anchor``, ``(pieces,
+        anchor)`` from :meth:`_weight_change_parts`, which the uplink scan reads as such."""
         c = self.config
         self.ensure_agreed()
         if self._sparsifier_snapshot is None and c.nonfinite != "ignore":
@@ -379,7 +384,10 @@ class Engine:
                                          c.downlink_sparsifier.state_dict())
         given = flat is not None
         dense_mode = self.mode(b)
-        parts = None
+        parts, minus = delta if delta is not None else (None, None)
+        if delta is not None and (dense_mode or c.local_clip_norm is not None):
+            flat = self.weight_change(b)  # read whole: the dense path or the clip needs it
+            parts = minus = None
         if not given:
             lazy = None if dense_mode else self._gradient_parts(b)
             if lazy is not None:
@@ -405,13 +413,18 @@ class Engine:
                 ops = kernels.ops_for(residual) if flat.dtype == residual.dtype \
                     else kernels.reference
                 # (never None where parts were taken: _gradient_parts asks what it asks)
-                accumulating = self._accumulating(st, ops, flat, residual, parts)
+                accumulating = self._accumulating(st, ops, flat, residual, parts, minus)
+                if accumulating is None and minus is not None:  # (not expected: the same
+                    flat = self.weight_change(b)  # conditions) the change, written whole
                 sel = sparsifier.fused(accumulating or ops, flat, residual, up_density, ctx)
                 if sel is not None and sel.nonfinite and c.nonfinite == "ignore":
                     sel = None  # NaN/Inf flow on, as the plain path lets them
+        pieces = accumulating is not None and accumulating.read_pieces
         if len(b.params) > 1 and not given:
-            pieces = accumulating is not None and accumulating.read_pieces
             self.gradient_reads["in_pieces" if pieces else "copied"] += 1
+        elif given and delta is not None:
+            self.weight_change_reads["in_scan" if pieces and minus is not None
+                                     else "written"] += 1
         if sel is not None and sel.nonfinite:
             self._send_nonfinite(b, flat, name, sparse_ids)
             return
@@ -454,7 +467,7 @@ class Engine:
         flat = self.state[b.index].flat_buffer(b.numel, torch.float32, parts[0][0].device)
         return flat, frozenset(), parts
 
-    def _accumulating(self, st, ops, flat, residual, parts=None):
+    def _accumulating(self, st, ops, flat, residual, parts=None, minus=None):
         """The numba primitives that also write ``acc`` in the selection's scan (see
         :class:`~hvd_sparse.kernels.cpu.AccumulatingOps`), or None: into the engine's own copy
         of the gradient where there is one (a multi-parameter bucket's concatenation, a weight
@@ -465,7 +478,7 @@ class Engine:
                 or residual.dtype != torch.float32 or flat.numel() != residual.numel():
             return None
         if flat is st.scratch:  # the gradient in its pieces, or concatenated there
-            return cpu.AccumulatingOps(flat, residual, flat, parts)
+            return cpu.AccumulatingOps(flat, residual, flat, parts, minus)
         spare = st.spare
         if spare is None or spare.numel() != residual.numel():
             st.spare = spare = torch.empty_like(residual)
@@ -1157,12 +1170,33 @@ class Engine:
         self.ensure_agreed()  # the anchors must be the same before the deltas are taken
         flagged, self._flag_at_exchange = self._flag_at_exchange, False
         for b in self.launch_order:
-            flat = self.weight_change(b)
+            delta = None if flagged else self._weight_change_parts(b)
+            flat = self.weight_change(b) if delta is None else delta[0]
             if flagged:  # a local step saw NaN/Inf under "raise": every rank must learn it
                 self._send_nonfinite(b, flat, f"hvd_sparse.{b.index}.{b.name}", frozenset())
             else:
-                self.launch(b, flat)
+                self.launch(b, flat, delta=None if delta is None else delta[1:])
         self.finish("delta")
+
+    def _weight_change_parts(self, b):
+        """A bucket's weight change left as ``params - anchor`` for the uplink scan to form
+        where it reads them (16 bytes per entry with the residual and ``acc``, against 24 for
+        the change written first): (the unfilled flat buffer, [(piece, offset)], anchor), or
+        None where :meth:`weight_change` is needed (the conditions of
+        :meth:`_gradient_parts`, and float32 parameters and anchor)."""
+        c, st = self.config, self.state[b.index]
+        if not self._acc_in_scan or st.anchor is None or st.anchor.dtype != torch.float32 \
+                or c.local_clip_norm is not None or st.velocity is not None \
+                or not cpu.available() or cpu._threads() != 1:
+            return None
+        parts = []
+        for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous() \
+                    or kernels.backend_for(p) != "numba":
+                return None
+            parts.append((p.detach().reshape(-1)[lo:hi], off))
+        flat = st.flat_buffer(b.numel, torch.float32, st.anchor.device)
+        return flat, parts, st.anchor
 
     def agree_gradients_finite(self) -> None:
         """``synchronize()`` when updates are exchanged: one tiny allreduce says whether any

@@ -56,15 +56,24 @@ def available() -> bool:
 if HAVE_NUMBA:
     from numba.cpython.unsafe.numbers import trailing_zeros
 
+    @njit(cache=True, inline="always")
+    def _minus(x, y):
+        """``x - y`` rounded as such: compiled without fast math, so the scan that calls it
+        cannot fold the difference into the sum that follows (its bits are a weight change's,
+        as ``torch.sub`` makes it)."""
+        return x - y
+
     @njit(fastmath=FASTMATH, cache=True)
-    def _scan_chunk(g, r, thi, tlo, base, out_idx, out_val, start, cap, into):
+    def _scan_chunk(g, r, thi, tlo, base, out_idx, out_val, start, cap, into, h=None):
         """One read of a chunk: candidates (``acc >= thi`` or ``acc <= -tlo``) appended to
         ``out[start:start + cap]`` in index order, while they fit (slot ``start + cap`` is
         written too, and must exist and be free); returns (candidates seen,
         sum of acc^2). ``acc`` is ``r`` when ``g`` and ``into`` are None, ``g + r`` when
         ``into`` is None, and else ``g + r`` written into ``into`` in the same pass, or
         ``into + r`` written back into ``into`` when ``g`` is None (in place: one array
-        argument, so the loop vectorises without an aliasing check).
+        argument, so the loop vectorises without an aliasing check). ``h`` (with ``g`` and
+        ``into``): ``acc = (g - h) + r``, a weight change ``params - anchor`` never
+        written by itself (:class:`AccumulatingOps` with ``minus``)
 
         Per 32-entry block a vectorised loop builds a bit mask of the candidates and sums
         ``a * a``; the set bits are then visited one by one (trailing-zero count), so only
@@ -120,7 +129,7 @@ if HAVE_NUMBA:
                             a = g[lo + j] + r[lo + j]
                             mask |= np.uint32((a >= thi) | (a <= -tlo)) << np.uint32(j)
                             e += a * a
-                else:
+                elif h is None:
                     if symmetric:
                         for j in range(BLOCK):
                             a = g[lo + j] + r[lo + j]
@@ -130,6 +139,19 @@ if HAVE_NUMBA:
                     else:
                         for j in range(BLOCK):
                             a = g[lo + j] + r[lo + j]
+                            into[lo + j] = a
+                            mask |= np.uint32((a >= thi) | (a <= -tlo)) << np.uint32(j)
+                            e += a * a
+                else:
+                    if symmetric:
+                        for j in range(BLOCK):
+                            a = _minus(g[lo + j], h[lo + j]) + r[lo + j]
+                            into[lo + j] = a
+                            mask |= np.uint32(abs(a) >= thi) << np.uint32(j)
+                            e += a * a
+                    else:
+                        for j in range(BLOCK):
+                            a = _minus(g[lo + j], h[lo + j]) + r[lo + j]
                             into[lo + j] = a
                             mask |= np.uint32((a >= thi) | (a <= -tlo)) << np.uint32(j)
                             e += a * a
@@ -175,7 +197,10 @@ if HAVE_NUMBA:
                     a = into[i] + r[i]
                     into[i] = a
             else:
-                a = g[i] + r[i]
+                if h is None:
+                    a = g[i] + r[i]
+                else:
+                    a = _minus(g[i], h[i]) + r[i]
                 if into is not None:
                     into[i] = a
             energy += a * a
@@ -588,12 +613,14 @@ def scan(g, r, t_hi, t_lo, expect=None, into=None) -> Scan:
                 (gn, rn, thi, tlo, counts))
 
 
-def scan_parts(parts, r, t_hi, t_lo, expect, into) -> Scan:
+def scan_parts(parts, r, t_hi, t_lo, expect, into, minus=None) -> Scan:
     """:func:`scan` of ``acc = g + r`` where ``g`` lies in pieces (a bucket's ``p.grad``, each
     with its offset in the bucket: ``(numpy float32 array, offset)``, in order, covering it),
     writing ``acc`` into ``into``: the concatenation of the pieces is never made. On the
-    calling thread (numba cannot run a Python list of arrays in parallel)."""
+    calling thread (numba cannot run a Python list of arrays in parallel). ``minus`` (float32,
+    the bucket's length): ``g`` is each piece minus it, ``acc = (piece - minus) + r``."""
     rn, into_n = _np(r), _np(into)
+    mn = None if minus is None else _np(minus)
     n = rn.size
     thi, tlo = np.float32(t_hi), np.float32(t_lo)
     room = (n // 32 if expect is None else 2 * int(expect)) + 4096
@@ -606,7 +633,7 @@ def scan_parts(parts, r, t_hi, t_lo, expect, into) -> Scan:
     for j, (g, off) in enumerate(parts):
         hi = off + g.size
         counts[j], e = _scan_chunk(g, rn[off:hi], thi, tlo, off, out_idx, out_val, starts[j],
-                                   caps[j], into_n[off:hi])
+                                   caps[j], into_n[off:hi], None if mn is None else mn[off:hi])
         energy += e
     count = int(counts.sum())
     if not (counts <= caps).all():  # the room was short: acc is written, scan it alone
@@ -618,15 +645,17 @@ def scan_parts(parts, r, t_hi, t_lo, expect, into) -> Scan:
                 torch.from_numpy(val), True, (None, into_n, thi, tlo, counts))
 
 
-def sample_parts(parts, r, positions: np.ndarray) -> np.ndarray:
-    """:func:`sample` where ``g`` lies in pieces (see :func:`scan_parts`); ``positions``
-    ascending."""
+def sample_parts(parts, r, positions: np.ndarray, minus=None) -> np.ndarray:
+    """:func:`sample` where ``g`` lies in pieces, less ``minus`` where given (see
+    :func:`scan_parts`); ``positions`` ascending."""
     rn = _np(r)
     out = rn[positions].copy()
+    mn = None if minus is None else _np(minus)
     for g, off in parts:
         a, e = np.searchsorted(positions, [off, off + g.size])
         if e > a:
-            out[a:e] += g[positions[a:e] - off]
+            at = positions[a:e]
+            out[a:e] += g[at - off] if mn is None else g[at - off] - mn[at]
     return out
 
 
@@ -639,12 +668,14 @@ class AccumulatingOps:
     reads. ``written`` says whether it happened (a method may decide without a scan, or give
     up after one and take the plain path)."""
 
-    def __init__(self, g, r, into, parts=None):
+    def __init__(self, g, r, into, parts=None, minus=None):
         self.g, self.r, self.into = g, r, into
         self.written = False
         # ``g`` (= ``into``) not filled yet: the gradient lies in these pieces, (tensor,
         # offset) in order, which the first scan reads instead of their concatenation
         self.parts = parts
+        # with ``parts``: ``g`` is the pieces less this (a weight change, params - anchor)
+        self.minus = minus
         self.read_pieces = False  # whether the first scan read them
 
     @property
@@ -654,9 +685,15 @@ class AccumulatingOps:
 
     def materialize(self) -> None:
         """Concatenate the pieces into ``g`` (for whatever reads ``g`` other than a scan)."""
-        if self.parts is not None:
+        if self.parts is None:
+            return
+        if self.minus is None:
             torch.cat([t.reshape(-1) for t, _ in self.parts], out=self.g)
-            self.parts = None
+        else:
+            for t, off in self.parts:
+                n = t.numel()
+                torch.sub(t.reshape(-1), self.minus[off:off + n], out=self.g[off:off + n])
+        self.parts = None
 
     def __getattr__(self, attr):  # every other primitive is the module's own
         try:
@@ -683,7 +720,7 @@ class AccumulatingOps:
     def scan(self, g, r, t_hi, t_lo, expect=None):
         if not self.written and g is self.g and r is self.r:
             if self.parts is not None:
-                s = scan_parts(self._pieces(), r, t_hi, t_lo, expect, self.into)
+                s = scan_parts(self._pieces(), r, t_hi, t_lo, expect, self.into, self.minus)
                 self.parts, self.read_pieces = None, True
             else:
                 s = scan(g, r, t_hi, t_lo, expect, into=self.into)
@@ -696,7 +733,7 @@ class AccumulatingOps:
     def sample(self, g, r, positions):
         if self.parts is not None and g is self.g and r is self.r \
                 and bool((np.diff(positions) > 0).all()):
-            return sample_parts(self._pieces(), r, positions)
+            return sample_parts(self._pieces(), r, positions, self.minus)
         if g is self.g:
             self.materialize()
         return sample(*self._reads(g, r), positions)
