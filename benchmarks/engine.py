@@ -21,6 +21,11 @@ the path its downlink took in most steps.
 On the CPU each row also records the same copy through the C library's ``memcpy``
 (``memcpy_floor_s``, ``over_memcpy``): torch's ``copy_`` is far from memory speed on one thread,
 so the ``floor_s`` ratio flatters the engine.
+Exchanged updates (``--exchanges update``, the default for adaptive optimizers): Top-K at the
+first rank count, timed over ``step()`` (the wrapped SGD's own step, timed alone on the same
+gradients in the same run, is subtracted); its budget is 28 bytes per entry (the finite check
+of the gradient 4, the uplink scan of params, anchor and residual writing acc 16, the reset of
+the parameters to the anchor 8).
 Results: benchmarks/results/engine_<device>.json and a stacked-bar PNG of the stages.
 """
 from __future__ import annotations
@@ -40,6 +45,8 @@ from hvd_sparse.transport import Transport
 
 #: by device, the downlink answering from its watch (CuPy: the commit is still a pass of 12)
 BUDGET_BYTES_PER_ENTRY = {"cpu": 16, "cuda": 24}
+UPDATE_BYTES_PER_ENTRY = 28  # exchanged updates on the numba backend (docs/design.md)
+UPDATE_LR = 0.5  # the wrapped SGD's rate there: weight changes about the gradients' size
 SCAN_BYTES_PER_ENTRY = 4  # what a downlink scan adds
 
 
@@ -131,7 +138,7 @@ class Pieces:
             off += p.numel()
 
 
-def build(n, ranks, density, device, steps, sparsifier, pieces=1):
+def build(n, ranks, density, device, steps, sparsifier, pieces=1, exchange="gradient"):
     """An optimizer over one parameter of ``n`` entries (or ``pieces`` parameters in one
     bucket) on the synthesised transport, and three gradients to cycle through (shared with
     benchmarks/profile_engine.py)."""
@@ -149,10 +156,11 @@ def build(n, ranks, density, device, steps, sparsifier, pieces=1):
     extra = {"threshold": calibrated_threshold(grads, density, steps)} \
         if sparsifier == "threshold" else \
         {"total_steps": steps + 2} if sparsifier == "adaptive" else {}
+    lr = UPDATE_LR if exchange == "update" else 0.0
     opt = hvd_sparse.DistributedOptimizer(
-        torch.optim.SGD(params, lr=0.0), named_parameters=named, density=density,
+        torch.optim.SGD(params, lr=lr), named_parameters=named, density=density,
         sparsifier=sparsifier, cost_model="off", collective="allgather", check_config=False,
-        transport=transport, scope="model", **extra)
+        transport=transport, scope="model", exchange=exchange, **extra)
     (name, view), = opt.engine_state().items()
     k = max(1, int(density * n))
     transport.others[f"hvd_sparse.0.{name}"] = synthesise(
@@ -160,15 +168,17 @@ def build(n, ranks, density, device, steps, sparsifier, pieces=1):
     return opt, p, grads
 
 
-def bench(n, ranks, density, device, steps, sparsifier, pieces=1):
-    opt, p, grads = build(n, ranks, density, device, steps, sparsifier, pieces)
+def bench(n, ranks, density, device, steps, sparsifier, pieces=1, exchange="gradient"):
+    opt, p, grads = build(n, ranks, density, device, steps, sparsifier, pieces, exchange)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    update = exchange == "update"
+    run = opt.step if update else opt.synchronize
     times = []
     for step in range(steps + 2):
         p.grad = grads[step % 3].clone()
         sync()
         t = time.perf_counter()
-        opt.synchronize()
+        run()
         sync()
         times.append(time.perf_counter() - t)
         if step == 1:
@@ -176,6 +186,8 @@ def bench(n, ranks, density, device, steps, sparsifier, pieces=1):
             before = dict(totals["stage_seconds"])
             sent_before = (totals["selected"], totals["numel"])
     times = times[2:]
+    base_s = local_step_time(n, device, grads, steps, sync) if update else 0.0
+    times = [t - base_s for t in times]
     totals = opt.communication_stats()["totals"]
     after = totals["stage_seconds"]
     stages = {k: (v - before[k]) / steps for k, v in after.items()}
@@ -184,6 +196,9 @@ def bench(n, ranks, density, device, steps, sparsifier, pieces=1):
     paths = opt.communication_stats()["totals"]["downlink_selections"]
     budget = BUDGET_BYTES_PER_ENTRY[device] + (
         SCAN_BYTES_PER_ENTRY if paths["scanned"] >= paths["incremental"] else 0)
+    if update:
+        budget = UPDATE_BYTES_PER_ENTRY + (
+            SCAN_BYTES_PER_ENTRY if paths["scanned"] >= paths["incremental"] else 0)
     src = torch.empty(n * budget // 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     floor = timeit(lambda: dst.copy_(src), repeat=5, sync=sync if device == "cuda" else None)
@@ -194,11 +209,29 @@ def bench(n, ranks, density, device, steps, sparsifier, pieces=1):
         if device == "cpu" else None
     median = sorted(times)[len(times) // 2]
     return {"n": n, "ranks": ranks, "density": density, "device": device,
-            "sparsifier": sparsifier, "pieces": pieces, "engine_s": median, "engine_s_all": times,
+            "sparsifier": sparsifier, "pieces": pieces, "exchange": exchange,
+            "local_step_s": base_s, "engine_s": median, "engine_s_all": times,
             "budget_bytes_per_entry": budget, "downlink_selections": paths,
             "floor_s": floor, "over_floor": median / floor, "stage_s": stages,
             "memcpy_floor_s": memcpy, "over_memcpy": median / memcpy if memcpy else None,
             "uplink_density": density}
+
+
+def local_step_time(n, device, grads, steps, sync):
+    """The wrapped SGD's own step on the same gradients (median), which the update rows'
+    ``step()`` includes and the engine's time does not."""
+    q = torch.nn.Parameter(torch.zeros(n, device=device))
+    base = torch.optim.SGD([q], lr=UPDATE_LR)
+    times = []
+    for step in range(steps + 2):
+        q.grad = grads[step % 3].clone()
+        sync()
+        t = time.perf_counter()
+        base.step()
+        sync()
+        times.append(time.perf_counter() - t)
+    times = sorted(times[2:])
+    return times[len(times) // 2]
 
 
 def plot(rows, path):
@@ -207,7 +240,8 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
-    labels = [f"{r['sparsifier']}\n{r['n'] / 1e6:.1f}M P={r['ranks']}"
+    labels = [f"{r['sparsifier']}" + (" updates" if r.get("exchange") == "update" else "")
+              + f"\n{r['n'] / 1e6:.1f}M P={r['ranks']}"
               + (f"\n{r['pieces']} params" if r.get("pieces", 1) > 1 else "") for r in rows]
     stacked_stages(ax, labels, [r["stage_s"] for r in rows])
     ax.scatter(labels, [r["floor_s"] * 1e3 for r in rows], marker="_", s=600, color="k",
@@ -233,6 +267,9 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--exchanges", nargs="+", default=["gradient", "update"],
+                    help="update: Top-K with exchanged weight changes, at the first rank count "
+                         "and one parameter")
     ap.add_argument("--pieces", nargs="+", type=int, default=[1, 40],
                     help="parameters sharing the bucket; beyond 1, Top-K at the first rank "
                          "count only")
@@ -245,13 +282,17 @@ def main():
     rows = []
     for n in args.sizes:
         for ranks in args.ranks:
-            for sp, pieces in [(sp, q) for q in args.pieces for sp in args.sparsifiers]:
+            for ex, sp, pieces in [(ex, sp, q) for ex in args.exchanges for q in args.pieces
+                                   for sp in args.sparsifiers]:
                 if (sp != "topk" and ranks != args.ranks[0]) \
-                        or (pieces > 1 and (sp != "topk" or ranks != args.ranks[0])):
+                        or (pieces > 1 and (sp != "topk" or ranks != args.ranks[0])) \
+                        or (ex == "update" and (sp != "topk" or ranks != args.ranks[0]
+                                                or pieces > 1 or args.device != "cpu")):
                     continue
-                row = bench(int(n), ranks, args.density, args.device, args.steps, sp, pieces)
+                row = bench(int(n), ranks, args.density, args.device, args.steps, sp, pieces, ex)
                 rows.append(row)
-                print(f"{sp:9} n={int(n):>11,} P={ranks} params={pieces}: "
+                print(f"{sp:9}{' updates' if ex == 'update' else ''} n={int(n):>11,} P={ranks} "
+                      f"params={pieces}: "
                       f"engine {row['engine_s'] * 1e3:7.1f} ms"
                       f"  floor {row['floor_s'] * 1e3:6.1f} ms  ({row['over_floor']:.2f}x)  "
                       + (f"memcpy {row['memcpy_floor_s'] * 1e3:5.1f} ms "
