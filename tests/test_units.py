@@ -3,8 +3,10 @@ import numpy as np
 import pytest
 import torch
 
+import hvd_sparse
 from hvd_sparse import aggregation, buckets, wire
 from hvd_sparse.feedback import Residual
+from hvd_sparse.transport import LocalTransport
 from hvd_sparse.sparsifiers import (SelectionContext, TopK, k_for_density, make_sparsifier,
                                     topk_indices)
 
@@ -435,3 +437,54 @@ def test_one_rank_sharded_equals_the_allgather_result():
             assert torch.equal(got, want_uni), kw
         else:
             assert torch.equal(got, want), kw
+
+
+class _RecordingPeer(LocalTransport):
+    """Two ranks whose other rank sends this rank's bytes, noting the order buckets start in."""
+
+    def __init__(self, ordered):
+        self.ordered = ordered
+        self.started = []
+
+    def size(self):
+        return 2
+
+    def allgather_async(self, payload, name):
+        if name.startswith("hvd_sparse.") and name.count(".") >= 2 \
+                and name.split(".")[1].isdigit():
+            self.started.append(name.split(".", 2)[2])
+        return torch.cat([payload, payload])
+
+    def allreduce_async(self, tensor, name, *, average, prescale=1.0, postscale=1.0):
+        return tensor
+
+    def wait(self, handle):
+        return handle
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["by-name", "by-order"])
+def test_buckets_start_as_they_complete_or_in_the_launch_order(ordered):
+    """Gradients arrive last layer first; handing the wrapped optimizer the parameters last
+    layer first makes the launch order (the reverse of the buckets') the first layer first. A
+    transport matched by name starts each bucket when it completes; one matched by order (MPI)
+    waits for the head of the launch order, then starts every complete bucket behind it, in
+    that order."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.Linear(40, 5))
+    transport = _RecordingPeer(ordered)
+    opt = hvd_sparse.DistributedOptimizer(
+        torch.optim.SGD(list(reversed(list(m.parameters()))), lr=0.1),
+        named_parameters=m.named_parameters(), density=0.1, min_sparse_numel=0,
+        cost_model="off", collective="allgather", check_config=False, transport=transport)
+    launch_order = list(reversed(list(opt.engine_state())))
+    assert launch_order[0].startswith("0.") and launch_order[-1].startswith("1.")
+    for _ in range(2):
+        transport.started.clear()
+        opt.zero_grad()
+        m(torch.randn(4, 30)).pow(2).sum().backward()
+        opt.step()
+        if ordered:
+            assert transport.started == launch_order
+        else:  # as autograd finished them: the last layer first
+            assert set(transport.started) == set(launch_order)
+            assert transport.started.index("1.weight") < transport.started.index("0.weight")
