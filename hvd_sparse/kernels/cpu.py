@@ -242,6 +242,8 @@ if HAVE_NUMBA:
         equal it). Each histogram spans only the range its entries occupy (found by a pass of
         their own): a full 65,536-bin one costs zeroing 512 kB and walking the bins, tens of
         microseconds that dominated short selections (small buckets, few candidates)."""
+        if bits.size == 0:  # (nothing to rank: as the full histogram answered)
+            return np.uint32(0xFFFFFFFF), np.int64(k), np.int64(0)
         top_hi, top_lo = np.uint32(0), np.uint32(65535)
         for i in range(bits.size):
             t = bits[i] >> 16
