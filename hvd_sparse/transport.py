@@ -17,9 +17,12 @@ class Transport:
 
     ``ordered``: the back end matches collectives by the order they are started (MPI) rather than
     by name (Horovod), so the optimizer starts them in one fixed order on every rank.
+    ``fuses_allreduces``: allreduces started together travel as one (Horovod's fusion buffer),
+    so one more dense bucket beside others adds its bytes but no latency (the cost model).
     """
 
     ordered = False
+    fuses_allreduces = False
 
     def size(self) -> int:
         raise NotImplementedError
@@ -47,6 +50,8 @@ class Transport:
 
 class HorovodTransport(Transport):
     """Horovod's asynchronous collectives; names match across ranks, so launch order may differ."""
+
+    fuses_allreduces = True
 
     def __init__(self, process_set=None):
         import horovod.torch as hvd

@@ -51,7 +51,10 @@ def test_transport_choice():
 
 
 class _EchoTransport(LocalTransport):
-    """Two ranks that send the same bytes: enough to run the engine's calibration path."""
+    """Two ranks that send the same bytes: enough to run the engine's calibration path. Like
+    Horovod, it is taken to fuse allreduces started together."""
+
+    fuses_allreduces = True
 
     def size(self):
         return 2
@@ -65,11 +68,11 @@ class _EchoTransport(LocalTransport):
 
 def _echo_optimizer(m, **options):
     """hvd_sparse over ``m`` on two echoing ranks, calibrated after its first step."""
-    options = {"density": 0.01, "min_sparse_numel": 0, **options}
+    options = {"density": 0.01, "min_sparse_numel": 0, "transport": _EchoTransport(),
+               **options}
     return hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01),
                                            named_parameters=m.named_parameters(),
-                                           calibration_steps=1, check_config=False,
-                                           transport=_EchoTransport(), **options)
+                                           calibration_steps=1, check_config=False, **options)
 
 
 def _step(m, opt):
@@ -205,5 +208,14 @@ def test_dense_bucket_joining_an_allreduce_pays_no_latency(monkeypatch, always_d
         _step(m, opt)
     weight = opt.communication_stats()["cost_model"]["buckets"]["weight"]
     assert weight["dense_s"] == pytest.approx(5e-3 + (0 if always_dense else 1e-2), rel=1e-2)
+    # a transport that sends each allreduce by itself (MPI) charges every one its latency
+    mpi_like = _EchoTransport()
+    mpi_like.fuses_allreduces = False
+    m = torch.nn.Linear(100, 50)
+    opt = _echo_optimizer(m, min_sparse_numel=1000 if always_dense else 0, transport=mpi_like)
+    for _ in range(3):
+        _step(m, opt)
+    assert opt.communication_stats()["cost_model"]["buckets"]["weight"]["dense_s"] == \
+        pytest.approx(1.5e-2, rel=1e-2)
     # the sparse price is the 10 ms gather latency plus a little compute
     assert weight["mode"] == ("dense" if always_dense else "sparse")

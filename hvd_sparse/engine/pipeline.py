@@ -1366,10 +1366,12 @@ class Engine:
         self.codec = [float(x) for x in agreed[3 * n:]] if coding else None
         by = "gather" if (c.deterministic_dense and size > 2) else "reduce"
         # tensors that are always dense (small ones, below min_sparse_numel) make an allreduce
-        # every step, so a bucket joining them pays its bytes but no latency of its own:
-        # pricing that latency sent a ResNet's 147 kB layer sparse, into a collective of its
-        # own, and its step was 9% slower than dense Horovod's (README)
-        fused = by == "reduce" and any(not b.sparse for b in self.buckets)
+        # every step, and where the transport fuses allreduces (Horovod) a bucket joining them
+        # pays its bytes but no latency of its own: pricing that latency sent a ResNet's 147 kB
+        # layer sparse, into a collective of its own, and its step was 9% slower than dense
+        # Horovod's (README)
+        fused = by == "reduce" and self.transport.fuses_allreduces \
+            and any(not b.sparse for b in self.buckets)
         ratio = c.downlink_density / c.density
         for b, cs, nbytes, count in zip(sparse, compute, gathered, entries):
             st = self.state[b.index]
