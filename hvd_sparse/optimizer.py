@@ -305,7 +305,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     default, Golomb-Rice always for ``"sbc"``): per bucket, the time cost model's choice at
     calibration, Golomb-Rice where its codec time (timed at start-up, agreed across ranks)
     costs less than the wire time it saves; plain before calibration, with ``cost_model`` other
-    than ``"time"``, on GPUs and for the sharded exchange.
+    than ``"time"``, on GPUs, without numba and for the sharded exchange.
     ``total_steps`` is the run's length in optimizer steps, where known: adaptive Top-K plans its
     budget over it, and ``density_cooldown_steps`` > 0 raises the density geometrically to
     ``cooldown_density`` (default 0.1) over that many last steps of it (``hvd_sparse.dgc``:

@@ -1358,7 +1358,9 @@ class Engine:
         local = [self._measured.get(b.index, 0.0) for b in sparse]
         local += [float(self._wire_bytes.get(b.index, 0)) for b in sparse]
         local += [float(self._wire_entries.get(b.index, 0)) for b in sparse]
-        coding = c.index_coding == "auto" and torch.device(device).type == "cpu" and n > 0
+        # (the code is priced where numba codes it: without it the walk is a Python loop)
+        coding = c.index_coding == "auto" and torch.device(device).type == "cpu" and n > 0 \
+            and cpu.available()
         if coding:
             local += calibration.measure_codec(c.density)
         agreed = calibration.agree_max(self.transport, local) if local else []
