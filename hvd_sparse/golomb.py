@@ -99,15 +99,19 @@ try:  # the coder's sequential forms: compiled when numba is there
     _MASK63 = (1 << 63) - 1
 
     @njit(cache=True, inline="always")
+    def _put32(out, o, v):
+        """The 32 low bits of ``v`` at ``out[o:o + 4]``, most significant byte first."""
+        out[o] = (v >> 24) & 255
+        out[o + 1] = (v >> 16) & 255
+        out[o + 2] = (v >> 8) & 255
+        out[o + 3] = v & 255
+
+    @njit(cache=True, inline="always")
     def _flush(out, o, acc, nacc):
         """Write the accumulator's oldest 32 bits once it holds 32 or more (it never holds
         more than 63: callers append at most 32 bits to at most 31)."""
         if nacc >= 32:
-            v = acc >> (nacc - 32)
-            out[o] = (v >> 24) & 255
-            out[o + 1] = (v >> 16) & 255
-            out[o + 2] = (v >> 8) & 255
-            out[o + 3] = v & 255
+            _put32(out, o, acc >> (nacc - 32))
             o += 4
             nacc -= 32
             acc &= (1 << nacc) - 1
@@ -137,11 +141,7 @@ try:  # the coder's sequential forms: compiled when numba is there
                 acc = (acc << length) | ((((1 << q) - 1) << (b + 1)) | (gap & mask))
                 nacc += length
                 if nacc >= 32:  # (_flush written out: numba compiles this loop 2x faster)
-                    v = acc >> (nacc - 32)
-                    out[o] = (v >> 24) & 255
-                    out[o + 1] = (v >> 16) & 255
-                    out[o + 2] = (v >> 8) & 255
-                    out[o + 3] = v & 255
+                    _put32(out, o, acc >> (nacc - 32))
                     o += 4
                     nacc -= 32
                     acc &= (1 << nacc) - 1
