@@ -27,6 +27,8 @@ def step_both(rng, scanned, watched, watch, n, k, ranks, ties, method, fresh=Fal
     """One downlink step on two copies of a residual: plain scan against the watch."""
     watch.begin(watched, fresh)
     for idx, vals in payloads(rng, n, k, ranks, ties):
+        if method == "sbc" and ties:  # as SBC's ranks send: one mean of either sign
+            vals = torch.full_like(vals, float(rng.choice([-1.0, 1.0]) * rng.random()))
         cpu.scatter_add(scanned, idx, vals, 0.5)
         if idx.numel():
             watch.scatter(cpu, watched, idx, vals, 0.5)
@@ -38,19 +40,32 @@ def step_both(rng, scanned, watched, watch, n, k, ranks, ties, method, fresh=Fal
         a = select.gaussiank(cpu, None, scanned, k, k // 2, 2 * k, 3)
         b = select.gaussiank(cpu, None, watched, k, k // 2, 2 * k, 3, watch=watch)
         assert (a.passes, a.fallback) == (b.passes, b.fallback)
+    elif method == "sbc":
+        a = select.sbc(cpu, None, scanned, k)
+        b = select.sbc(cpu, None, watched, k, watch=watch)
+        if a is None:  # too short for the fused path: both take the plain one
+            assert b is None
+            watch.end(watched)
+            return
     else:
         a = select.threshold(cpu, None, scanned, 0.6)
         b = select.threshold(cpu, None, watched, 0.6, watch=watch)
     order = torch.argsort(b.idx)
     assert torch.equal(a.idx, b.idx[order])
     assert torch.equal(a.values, b.values[order])
+    assert torch.equal(a.acc_values, b.acc_values[order])
     select.commit(cpu, None, scanned, a, a.values)
     select.commit(cpu, None, watched, b, b.values)
     watch.end(watched)
     assert torch.equal(scanned, watched)
+    if watch.idx is not None:  # what the list promises: every entry outside is below its bound
+        outside = np.ones(n, dtype=bool)
+        outside[watch.idx] = False
+        w = watched.numpy()[outside]
+        assert (w < watch.bound).all() and (w > -watch.bound_neg).all()
 
 
-@pytest.mark.parametrize("method", ["topk", "threshold", "gaussiank"])
+@pytest.mark.parametrize("method", ["topk", "threshold", "gaussiank", "sbc"])
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("n,k,ranks", [(100_000, 1000, 2), (100_000, 500, 4), (5000, 50, 3),
                                        (20_000, 200, 1)])
@@ -60,7 +75,7 @@ def test_watch_selects_what_a_scan_selects(method, ties, n, k, ranks):
     watch = ResidualWatch()
     for s in range(40):
         step_both(rng, scanned, watched, watch, n, k, ranks, ties, method, fresh=s == 0)
-    if ranks > 1 and not ties and method != "gaussiank":
+    if ranks > 1 and not ties and method != "gaussiank" and select.sbc_fits(n, k):
         # the check is not vacuous: most steps were served from the watched positions
         assert watch.incremental > 30
     if method == "gaussiank" and ranks > 1:
@@ -104,13 +119,14 @@ def test_watch_reports_nonfinite_and_forgets_the_list():
 
 
 def test_unused_watch_is_dropped():
-    """A method that did not use the watch (SBC) leaves the list untrusted afterwards."""
+    """A method that did not use the watch (a plain scan here) leaves the list untrusted
+    afterwards."""
     n = 10_000
     r = torch.zeros(n)
     watch = ResidualWatch()
     watch.begin(r, True)
     watch.scatter(cpu, r, torch.arange(0, n, 7), torch.randn(len(range(0, n, 7))), 1.0)
-    select.sbc(cpu, None, r, 50)
+    select.topk(cpu, None, r, 50)
     watch.end(r)
     assert watch.idx is None
 

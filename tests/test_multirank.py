@@ -48,6 +48,11 @@ def test_watched_and_scanning_ranks_stay_identical(core):
         assert r["watch_params_equal"] and r["watch_downlink_equal"]
     assert core[1]["watch_paths"]["incremental"] == 0
     assert core[0]["watch_paths"]["incremental"] > 100  # 2 sparse buckets x 100 steps
+    # SBC, with a bound per sign
+    for r in core:
+        assert r["watch_sbc_params_equal"] and r["watch_sbc_downlink_equal"]
+    assert core[1]["watch_sbc_paths"]["incremental"] == 0
+    assert core[0]["watch_sbc_paths"]["incremental"] > 30  # 60 steps of the fused path
 
 
 def test_mpi_transport_beside_horovod(core):

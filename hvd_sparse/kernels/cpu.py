@@ -361,10 +361,11 @@ if HAVE_NUMBA:
         return bad
 
     @njit(cache=True)
-    def _collect(idx, val, bound, mark, out_idx, out_val, p):
+    def _collect(idx, val, bound, bound_neg, mark, out_idx, out_val, p):
         """Append the entries of one (index, value) list whose index is not yet marked (lists
-        come newest first, so the current value wins), marking it; only ``|v| >= bound`` are
-        appended. ``mark`` is a bit set over the positions. Returns the new length."""
+        come newest first, so the current value wins), marking it; only ``v >= bound`` and
+        ``v <= -bound_neg`` are appended. ``mark`` is a bit set over the positions. Returns the
+        new length."""
         for j in range(idx.size):
             i = idx[j]
             w = i >> 6
@@ -376,7 +377,7 @@ if HAVE_NUMBA:
             v = val[j]
             out_idx[p] = i
             out_val[p] = v
-            p += abs(v) >= bound  # written always, kept or overwritten by the next
+            p += (v >= bound) | (v <= -bound_neg)  # written always, kept or overwritten
         return p
 
     @njit(cache=True)
@@ -796,6 +797,12 @@ def pick_topk(cidx: torch.Tensor, cval: torch.Tensor, k: int, sign: int = 0):
     return torch.from_numpy(idx), torch.from_numpy(val)
 
 
+def split_sides(cidx: np.ndarray, cval: np.ndarray):
+    """The candidates above zero and the others, each in its given order: (positive indices,
+    values, other indices, values), numpy arrays."""
+    return _split_sides(cidx, cval)
+
+
 def pick_sides(cidx: torch.Tensor, cval: torch.Tensor, k: int):
     """The k largest positive and the k largest negative candidates (a sign with at most k
     gives all of them; none is zero), in one split and a pick over each side."""
@@ -862,16 +869,18 @@ def position_marks(n: int) -> np.ndarray:
     return np.zeros((n + 63) // 64, dtype=np.uint64)
 
 
-def candidates(lists, bound, mark):
+def candidates(lists, bound, mark, bound_neg=None):
     """Each position of (int64 index, float32 value) lists, newest first, once, with its
-    newest value, kept when ``|v| >= bound``; ``mark`` (all zero) is left all zero."""
+    newest value, kept when ``|v| >= bound`` (given ``bound_neg``: ``v >= bound`` or
+    ``v <= -bound_neg``); ``mark`` (all zero) is left all zero."""
     total = sum(i.size for i, _ in lists)
     out_idx = np.empty(total + 1, dtype=np.int64)
     out_val = np.empty(total + 1, dtype=np.float32)
     p = 0
     bound = np.float32(bound)
+    bound_neg = bound if bound_neg is None else np.float32(bound_neg)
     for idx, val in lists:
-        p = _collect(idx, val, bound, mark, out_idx, out_val, p)
+        p = _collect(idx, val, bound, bound_neg, mark, out_idx, out_val, p)
     mark[:] = 0
     return out_idx[:p], out_val[:p]
 
@@ -956,6 +965,8 @@ def warm_up() -> None:
             mark = position_marks(r.numel())
             candidates([(idx, val)], 0.5, mark)
             pick_unordered(idx, val, 10)
+            candidates([(idx, val)], 0.5, mark, 0.25)
+            split_sides(idx, val)
             outside(idx, val, idx[:5], mark)
             largest(idx, val, 10, 0.1)
         finally:

@@ -160,25 +160,38 @@ def binary_mean(values: torch.Tensor) -> float:
     return fixed_point_sum(values) / values.numel()
 
 
-def sbc(ops, g, r, k: int) -> Optional[Selection]:
+def sbc_fits(n: int, k: int) -> bool:
+    """Does :func:`sbc` take the fused path for ``k`` of ``n`` (else it answers ``None``)?"""
+    return sample_positions(n) is not None and 0 < k and 2 * k < n
+
+
+def sbc(ops, g, r, k: int, watch=None) -> Optional[Selection]:
     """Sparse Binary Compression: the k largest positive or the k largest negative entries (a
     side with fewer than k entries takes all it has), whichever side has the larger mean
-    magnitude, all sent as that one mean.
+    magnitude, all sent as that one mean. ``watch``: as for :func:`topk`.
 
     Returns ``None`` (take the plain path) when the vector is too short for a sample to pay.
     """
+    if watch is not None and g is None:
+        return watch.sbc(ops, r, k)
+    return sbc_scanned(ops, g, r, k)[0]
+
+
+def sbc_scanned(ops, g, r, k: int):
+    """:func:`sbc` by a scan: (selection or None, candidate indices, candidate values,
+    (t_pos, t_neg)), where every entry outside the candidates lies in ``(-t_neg, t_pos)``; the
+    last three are None when no scan collected candidates."""
     n = r.numel()
-    pos = sample_positions(n)
-    if pos is None or k <= 0 or 2 * k >= n:
-        return None
-    smp = ops.sample(g, r, pos)
+    if not sbc_fits(n, k):
+        return None, None, None, None
+    smp = ops.sample(g, r, sample_positions(n))
     t_pos = sampled_threshold(np.maximum(smp, 0), n, k)
     t_neg = sampled_threshold(np.maximum(-smp, 0), n, k)
     if t_pos is None or t_neg is None:
-        return None
+        return None, None, None, None
     s = ops.scan(g, r, t_pos, t_neg, 6 * k)
     if s.nonfinite:
-        return _empty(r, True)
+        return _empty(r, True), None, None, None
     cidx, cval = ops.gather(g, r, s)
     # both thresholds are positive, so a candidate's sign says its side (no split copies)
     ups = int((cval > 0).sum())
@@ -202,7 +215,7 @@ def sbc(ops, g, r, k: int) -> Optional[Selection]:
         ni, nv = _side(ops, cidx, cval, k, -1, downs)
     sel = binary_choice(pi, pv, ni, nv)
     sel.energy = s.energy
-    return sel
+    return sel, cidx, cval, (np.float32(t_pos), np.float32(t_neg))
 
 
 def _side(ops, cidx, cval, k, sign, count):

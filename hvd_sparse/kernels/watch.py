@@ -21,6 +21,7 @@ step with :meth:`ResidualWatch.begin` and :meth:`ResidualWatch.end`.
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import numpy as np
 import torch
@@ -46,7 +47,8 @@ class ResidualWatch:
         self.version = None
         self.idx = None  # int64 positions, in no order, with |r| >= bound (None: unknown)
         self.val = None  # their values
-        self.bound = None  # every other entry has |r| < bound
+        self.bound = None  # every other entry has r < bound ...
+        self.bound_neg = None  # ... and r > -bound_neg (the same, but after SBC's steps)
         self.mark = None  # an all-zero bit set over the positions, reused every step
         self.touched = []  # (positions, values after the write) per payload, in rank order
         self.nonfinite = False
@@ -94,10 +96,11 @@ class ResidualWatch:
         cheap = self._cheap(n)
         if self.idx is not None and 0 < k < n and cheap:
             mark = self._marks(n)
-            cidx, cval = cpu.candidates(self._newest_first(), self.bound, mark)
+            bound = self._sym()
+            cidx, cval = cpu.candidates(self._newest_first(), bound, mark)
             if cidx.size >= k:  # k of them reach the bound: nothing outside can compete
                 idx, val, rest_idx, rest_val = cpu.pick_unordered(cidx, cval, k)
-                self._keep(rest_idx, rest_val, self.bound, k)
+                self._keep(rest_idx, rest_val, bound, k)
                 self.incremental += 1
                 val = torch.from_numpy(val)
                 return select.Selection(torch.from_numpy(idx), val, val, ordered=False)
@@ -114,7 +117,8 @@ class ResidualWatch:
         if self._start():
             return select._empty(r, True)
         t = np.float32(t)
-        if self.idx is not None and select.tiny() <= self.bound <= t and self._cheap(r.numel()):
+        if self.idx is not None and select.tiny() <= self._sym() <= t \
+                and self._cheap(r.numel()):
             # every entry outside is below the bound, hence below t: only the list and the
             # touched positions can be selected
             mark = self._marks(r.numel())
@@ -131,6 +135,85 @@ class ResidualWatch:
             self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), t)
         return sel
 
+    def sbc(self, ops, r: torch.Tensor, k: int) -> Optional[select.Selection]:
+        """SBC from the list, whose bounds are kept per sign (:meth:`_sbc_listed`), else by a
+        scan that refills the list with its candidates and its two thresholds as bounds."""
+        if self._start():
+            return select._empty(r, True)
+        n = r.numel()
+        if not select.sbc_fits(n, k):  # the plain path: the list is not kept
+            self.idx = None
+            return select.sbc(ops, None, r, k)
+        cheap = self._cheap(n)
+        if self.idx is not None and cheap:
+            sel = self._sbc_listed(k, n)
+            if sel is not None:
+                self.incremental += 1
+                return sel
+        sel, cidx, cval, (t_pos, t_neg) = select.sbc_scanned(ops, None, r, k)
+        self.scanned += 1
+        if sel is None or sel.nonfinite or cidx is None or not cheap:
+            self.idx = None
+        else:
+            idx, val = cpu.outside(cidx.numpy(), cval.numpy(), sel.idx.numpy(), self._marks(n))
+            pi, pv, ni, nv = cpu.split_sides(idx, val)
+            floor = select.tiny()
+            self._relist([(pi, pv)], [(ni, nv)], sel, max(t_pos, floor), max(t_neg, floor), k)
+        return sel
+
+    def _sbc_listed(self, k, n) -> Optional[select.Selection]:
+        """SBC's answer from the candidates, or None when they cannot give it. A side's k
+        largest lie among them when at least k reach its bound (every entry outside is
+        below it), or all of that sign do when its bound is the floor. A side short of that
+        may hold entries outside; it is not needed when the other side is known and its mean
+        beats every mean the short side can have."""
+        floor = select.tiny()
+        hi, lo = self.bound, self.bound_neg
+        cidx, cval = cpu.candidates(self._newest_first(), hi, self._marks(n), lo)
+        pi, pv, ni, nv = cpu.split_sides(cidx, cval)
+        pos = _largest_of_side(pi, pv, k) if pv.size >= k or hi <= floor else None
+        neg = _largest_of_side(ni, nv, k) if nv.size >= k or lo <= floor else None
+        if pos is not None and neg is not None:
+            positives = torch.from_numpy(pos[0])
+            sel = select.binary_choice(positives, torch.from_numpy(pos[1]),
+                                       torch.from_numpy(neg[0]), torch.from_numpy(neg[1]))
+            sent_positive = sel.idx is positives
+        elif pos is not None or neg is not None:
+            known, short, short_bound = (pos, nv, lo) if pos is not None else (neg, pv, hi)
+            values = torch.from_numpy(known[1])
+            mean = select.binary_mean(values)
+            if not abs(mean) > _mean_ceiling(short, short_bound):
+                return None
+            sent_positive = pos is not None
+            sel = select.Selection(torch.from_numpy(known[0]), torch.full_like(values, mean),
+                                   values)
+        else:
+            return None
+        # listed next, per sign: the sent side's unsent entries, the other side whole, and at
+        # the sent positions what the commit leaves there (acc - mean, of either sign)
+        if sent_positive:
+            pos_parts = [pos[2:]]
+            neg_parts = [neg[:2], neg[2:]] if neg is not None else [(ni, nv)]
+        else:
+            neg_parts = [neg[2:]]
+            pos_parts = [pos[:2], pos[2:]] if pos is not None else [(pi, pv)]
+        self._relist(pos_parts, neg_parts, sel, hi, lo, k)
+        sel.ordered = False
+        return sel
+
+    def _relist(self, pos, neg, sel, bound, bound_neg, k) -> None:
+        """The list after an SBC step: ``pos`` and ``neg``, lists of (indices, values) at or
+        above ``bound`` and at or below ``-bound_neg``, none of them sent; and what the commit
+        leaves at the sent positions. Each sign is trimmed on its own (see :meth:`_keep`)."""
+        li, lv, mi, mv = cpu.split_sides(sel.idx.numpy(), _left(sel))
+        (pi, pv), (ni, nv) = (tuple(np.concatenate(a) for a in zip(*parts))
+                              for parts in (pos + [(li, lv)], neg + [(mi, mv)]))
+        if pv.size > TRIM_FACTOR * k + 1024:
+            pi, pv, bound = cpu.largest(pi, pv, k, bound)
+        if nv.size > TRIM_FACTOR * k + 1024:
+            ni, nv, bound_neg = cpu.largest(ni, nv, k, bound_neg)
+        self._set(np.concatenate([pi, ni]), np.concatenate([pv, nv]), bound, bound_neg)
+
     def run(self, ops, r: torch.Tensor, k: int, method) -> select.Selection:
         """Any method written over the primitives (GaussianK) on the watched candidates:
         ``method(ops)`` runs on :class:`_WatchedOps`, whose scans count among the candidates,
@@ -142,14 +225,15 @@ class ResidualWatch:
         n = r.numel()
         if self.idx is not None and self._cheap(n):
             mark = self._marks(n)
-            cidx, cval = cpu.candidates(self._newest_first(), self.bound, mark)
+            bound = self._sym()
+            cidx, cval = cpu.candidates(self._newest_first(), bound, mark)
             try:
-                sel = method(_WatchedOps(ops, cidx, cval, self.bound))
+                sel = method(_WatchedOps(ops, cidx, cval, bound))
             except _NeedScan:
                 pass
             else:
                 if not sel.nonfinite:
-                    self._keep(*cpu.outside(cidx, cval, sel.idx.numpy(), mark), self.bound, k)
+                    self._keep(*cpu.outside(cidx, cval, sel.idx.numpy(), mark), bound, k)
                     self.incremental += 1
                     sel.ordered = False
                     return sel
@@ -187,8 +271,13 @@ class ResidualWatch:
             self.mark = cpu.position_marks(n)
         return self.mark
 
-    def _set(self, idx, val, bound) -> None:
+    def _set(self, idx, val, bound, bound_neg=None) -> None:
         self.idx, self.val, self.bound = idx, val, np.float32(bound)
+        self.bound_neg = self.bound if bound_neg is None else np.float32(bound_neg)
+
+    def _sym(self) -> np.float32:
+        """One bound for both signs: every entry outside the list has ``|r|`` below it."""
+        return max(self.bound, self.bound_neg)
 
     def _keep(self, idx, val, bound, k) -> None:
         """The unselected entries at or above ``bound``; past TRIM_FACTOR * k of them the
@@ -237,3 +326,30 @@ class _WatchedOps:
             return cidx[:0], cval[:0]
         idx, val, _, _ = cpu.pick_unordered(cidx.numpy(), cval.numpy(), k)
         return torch.from_numpy(idx), torch.from_numpy(val)
+
+
+def _largest_of_side(idx, val, k):
+    """The k largest magnitudes of one sign's candidates (any order; ties by lowest index), or
+    all of them when there are at most k: (indices, values, the others' indices, values)."""
+    if val.size <= k:
+        return idx, val, idx[:0], val[:0]
+    return cpu.pick_unordered(idx, val, k)
+
+
+def _left(sel) -> np.ndarray:
+    """What the commit leaves at SBC's sent positions (acc - mean, as :func:`select.commit`
+    computes it): unlike the other methods' remainder it need not be zero."""
+    return (sel.acc_values - sel.values.to(sel.acc_values.dtype)).numpy()
+
+
+def _mean_ceiling(listed: np.ndarray, bound) -> float:
+    """Above any mean SBC can give a side whose entries at or beyond its ``bound`` are
+    ``listed`` (fewer than k; the rest of that sign is below the bound): its k largest hold
+    those and entries smaller than each of them, and a side with fewer than k takes all it
+    has, so the mean never exceeds the listed ones' mean (or the bound, with none listed).
+    The slack covers the fixed-point sum's truncation (under one unit of 2**-37 of the peak)
+    and float64 rounding."""
+    if listed.size == 0:
+        return float(bound)
+    mags = np.abs(listed.astype(np.float64))
+    return float(mags.sum() / mags.size) * (1 + 1e-9) + float(mags.max()) * 2.0 ** -30

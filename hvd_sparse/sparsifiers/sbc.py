@@ -34,7 +34,8 @@ class SparseBinary(Sparsifier):
         return idx, torch.full((idx.numel(),), mean, dtype=acc.dtype, device=acc.device)
 
     def fused(self, ops, grad, residual, density, ctx):
-        return fused_select.sbc(ops, grad, residual, k_for_density(residual.numel(), density))
+        return fused_select.sbc(ops, grad, residual, k_for_density(residual.numel(), density),
+                                watch=ctx.watch)
 
 
 def _side(score, k):

@@ -176,6 +176,35 @@ def scenario_watch_mixed(res):
     res["watch_paths"] = opt.communication_stats()["totals"]["downlink_selections"]
 
 
+def scenario_watch_mixed_sbc(res):
+    """As scenario_watch_mixed for SBC, whose list keeps a bound per sign, on a layer long
+    enough for its fused path and a density low enough for the list (81,920 weights, 0.5%)."""
+    if hvd.rank() == 1:
+        os.environ["HVD_SPARSE_DOWNLINK_WATCH"] = "off"
+    try:
+        torch.manual_seed(6)
+        m = torch.nn.Sequential(torch.nn.Linear(20, 4096), torch.nn.Tanh(),
+                                torch.nn.Linear(4096, 5))
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=m.named_parameters(), cost_model="off", density=0.005,
+            sparsifier="sbc", min_sparse_numel=0, collective="allgather")
+    finally:
+        os.environ.pop("HVD_SPARSE_DOWNLINK_WATCH", None)
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    rank = hvd.rank()
+    for step in range(60):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+    down = torch.cat([v.downlink for v in opt.engine_state().values()
+                      if v.sparse and v.downlink is not None])
+    res["watch_sbc_params_equal"] = all_equal_digest(flat_params(m))
+    res["watch_sbc_downlink_equal"] = all_equal_digest(down)
+    res["watch_sbc_paths"] = opt.communication_stats()["totals"]["downlink_selections"]
+
+
 def scenario_hybrid_transport(res):
     """The Horovod front end with transport="mpi" (mpi4py collectives, no Horovod cycle): the
     same training where mpi4py sees Horovod's ranks, a clear error where it cannot."""
@@ -455,6 +484,7 @@ def scenario_index_coding(res):
 SCENARIOS = [scenario_bad_input, scenario_reference, scenario_bitwise, scenario_dense_equivalence,
              scenario_bpps_guards, scenario_missing_grad, scenario_checkpoint,
              scenario_dense_fallback, scenario_time_cost_model, scenario_watch_mixed,
+             scenario_watch_mixed_sbc,
              scenario_hybrid_transport, scenario_index_coding]
 
 
