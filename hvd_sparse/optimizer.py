@@ -9,15 +9,18 @@ and ``state_dict`` delegation. The exchange itself is :class:`hvd_sparse.engine.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import warnings
+import weakref
 from contextlib import contextmanager
 
 import torch
 
 from . import buckets as bucketing
 from .engine import Engine, build_config
-from .engine.config import EXCHANGES, resolve_exchange
-from .transport import make_transport
+from .engine.config import EXCHANGES, passes_per_step, resolve_exchange
+from .transport import HorovodTransport, make_transport
 
 STATE_KEY = "hvd_sparse"
 
@@ -32,8 +35,13 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     _hs_base = torch.optim.Optimizer
 
     # ----------------------------------------------------------------- set-up
-    def _hs_init(self, named_parameters, engine: Engine):
+    def _hs_init(self, named_parameters, engine: Engine, exchange_auto: bool = False,
+                 process_set=None):
         self._hs_engine = engine
+        self._hs_exchange_auto = exchange_auto  # the exchange was the library's choice
+        self._hs_process_set = process_set
+        # p.grad as the last exchange wrote it: (parameter, weak reference, version)
+        self._hs_written = None
         self._hs_transport = engine.transport
         self._parameter_names = {p: n for n, p in named_parameters}
         self.backward_passes_per_step = engine.config.backward_passes_per_step
@@ -49,7 +57,12 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._hs_hook_handles = []
-        if engine.transport.included():
+        # one process under Horovod (not elastic, where workers may join): Horovod's optimizer
+        # is then the wrapped one itself, without hooks or their guards; so is this one
+        self._hs_passthrough = (isinstance(engine.transport, HorovodTransport)
+                                and engine.transport.size() == 1
+                                and os.environ.get("HOROVOD_ELASTIC") != "1")
+        if engine.transport.included() and not self._hs_passthrough:
             for p in self._hs_buckets_of:
                 self._hs_hook_handles.append(
                     p.register_post_accumulate_grad_hook(self._hs_make_hook(p)))
@@ -111,10 +124,57 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
 
+    def _hs_fill_missing_grads(self):
+        """Zero gradients for parameters without one, as Horovod's ``synchronize`` makes them
+        (another rank may have computed it; weight decay still applies)."""
+        for p in self._requires_update:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def _hs_record_written(self):
+        self._hs_written = [(p, weakref.ref(p.grad), p.grad._version)
+                            for p in self._hs_buckets_of if p.grad is not None]
+
+    def _hs_nothing_new(self) -> bool:
+        """Does ``p.grad`` still hold what the last exchange wrote, the same on every rank (no
+        backward since, no write to it)? Then another exchange would only compress an average
+        again, where Horovod's allreduce of identical values changes nothing."""
+        if self._hs_touched or self._hs_engine.inflight:
+            return False
+        if self._synchronized:  # synchronize() again before step(): what it gave stands
+            return True
+        written = self._hs_written
+        return written is not None and all(
+            p.grad is not None and p.grad is ref() and p.grad._version == version
+            for p, ref, version in written)
+
     # ----------------------------------------------------------------- Horovod's API
+    @property
+    def op(self):
+        from . import compat
+        return compat.Average if self._hs_engine.config.average else compat.Sum
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        return self._hs_engine.config.predivide
+
+    @property
+    def sparse_as_dense(self) -> bool:
+        return self._hs_engine.config.sparse_as_dense
+
+    @property
+    def process_set(self):
+        if self._hs_process_set is not None:
+            return self._hs_process_set
+        return getattr(self._hs_transport, "process_set", None)
+
     def synchronize(self):
         """Finish every bucket's exchange and write the result into ``p.grad``."""
         if not self._hs_transport.included():
+            self._synchronized = True
+            return
+        if self._hs_passthrough:  # Horovod's average over one rank: the gradient itself
+            self._hs_fill_missing_grads()
             self._synchronized = True
             return
         if self._hs_engine.config.exchanges_updates:
@@ -127,10 +187,14 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 self._hs_reset_round()
             self._synchronized = True
             return
+        if self._hs_nothing_new():
+            self._synchronized = True
+            return
         try:
             self._hs_engine.finish("grads")
         finally:
             self._hs_reset_round()
+        self._hs_record_written()
         self._synchronized = True
 
     @contextmanager
@@ -144,16 +208,14 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         engine = self._hs_engine
-        if engine.config.exchanges_updates:
+        if engine.config.exchanges_updates and not self._hs_passthrough:
+            if self._should_synchronize and self._synchronized:
+                _warn_step_after_synchronize()
             self._synchronized = False
             return self._hs_local_step(closure)
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
-                              "context after optimizer.synchronize(). This can cause training "
-                              "slowdown. You may want to consider using "
-                              "optimizer.skip_synchronize() context if you use "
-                              "optimizer.synchronize() in your code.")
+                _warn_step_after_synchronize()
             self.synchronize()
         self._synchronized = False
         if engine.skip_step:  # a non-finite gradient somewhere: no update on any rank
@@ -165,6 +227,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         """Communication delay (SBC): local steps, then the engine exchanges the weight change."""
         engine = self._hs_engine
         engine.ensure_anchors()
+        if self._hs_transport.included():
+            self._hs_fill_missing_grads()
         # a non-finite gradient is not applied locally (the weights would never recover)
         result = self._hs_base.step(self, closure) if engine.local_step_finite() else None
         self._hs_reset_round()
@@ -183,13 +247,20 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         return self._hs_base.zero_grad(self, *args, **kwargs)
 
     def set_backward_passes_per_step(self, passes):
-        if int(passes) <= 0:
-            raise ValueError("backward_passes_per_step must be > 0")
-        import dataclasses
-
-        self.backward_passes_per_step = int(passes)
+        passes = passes_per_step(passes)
         engine = self._hs_engine
-        engine.config = dataclasses.replace(engine.config, backward_passes_per_step=int(passes))
+        c = engine.config
+        if passes > 1 and c.exchanges_updates:
+            # updates are exchanged once per optimizer step, gradients may accumulate first:
+            # the library's own choice of updates gives way while none was exchanged yet
+            if not (self._hs_exchange_auto and c.local_steps == 1 and engine.steps == 0
+                    and engine.local_count == 0):
+                raise ValueError("backward_passes_per_step > 1 cannot be combined with "
+                                 "exchanged weight updates (exchange='update' or local_steps "
+                                 "> 1) once they are exchanged; wrap with exchange='gradient'")
+            c = dataclasses.replace(c, exchange="gradient")
+        self.backward_passes_per_step = passes
+        engine.config = dataclasses.replace(c, backward_passes_per_step=passes)
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
 
@@ -235,6 +306,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_reset_round()
         self._synchronized = False
         self._should_synchronize = True
+        self._hs_written = None
         self._hs_base.load_state_dict(self, state_dict)
         if extra is not None:
             self._hs_engine.load_state_dict(extra)
@@ -379,7 +451,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         raise TypeError("optimizer is already an hvd_sparse.DistributedOptimizer")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-    exchange = resolve_exchange(exchange, optimizer, backward_passes_per_step, local_steps)
+    exchange_auto = exchange == "auto"
+    exchange = resolve_exchange(exchange, optimizer, backward_passes_per_step, local_steps,
+                                density, op)
     config = build_config(
         op=op, gradient_predivide_factor=gradient_predivide_factor,
         backward_passes_per_step=backward_passes_per_step, compression=compression,
@@ -451,8 +525,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # same param groups, state and hooks
     _rebind_instance_step(wrapped, optimizer)
-    wrapped._hs_init(named, Engine(config, plan, transport))
+    wrapped._hs_init(named, Engine(config, plan, transport), exchange_auto=exchange_auto,
+                     process_set=process_set)
     return wrapped
+
+
+def _warn_step_after_synchronize():
+    warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                  "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                  "consider using optimizer.skip_synchronize() context if you use "
+                  "optimizer.synchronize() in your code.")
 
 
 def _rebind_instance_step(wrapped, original) -> None:

@@ -44,6 +44,48 @@ def test_wrapped_optimizer_is_still_the_users_class():
                                         transport=LocalTransport())
 
 
+ONE_PROCESS = r"""
+import json, torch
+import hvd_sparse as hvd
+hvd.init()
+torch.manual_seed(0)
+m, ref = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+ref.load_state_dict(m.state_dict())
+opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                               named_parameters=m.named_parameters(), density=0.01,
+                               min_sparse_numel=0)
+base = torch.optim.SGD(ref.parameters(), lr=0.1)
+out = {"size": hvd.size()}
+for step in range(3):
+    x = torch.randn(8, 64)
+    for model, o in ((m, opt), (ref, base)):
+        o.zero_grad()
+        model(x).square().mean().backward()
+        model(x).abs().mean().backward()  # two backward passes: Horovod's guard needs hooks
+    opt.zero_grad()  # after backward, before step: allowed without hooks
+    base.zero_grad()
+    for model in (m, ref):
+        model(x).square().mean().backward()
+    opt.step()
+    base.step()
+out["equal"] = all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
+print(json.dumps(out))
+"""
+
+
+def test_one_process_under_horovod_is_the_wrapped_optimizer(mpi_available):
+    """As Horovod's: at size 1 (not elastic) no hooks, hence no guards, and the step is the
+    wrapped optimizer's own (an average over one rank)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", ONE_PROCESS], env=_env(), capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"size": 1, "equal": True}
+
+
 @pytest.mark.multirank
 def test_training_cli_two_ranks_end_to_end(tmp_path, mpi_available):
     import subprocess

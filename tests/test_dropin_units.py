@@ -135,7 +135,7 @@ def _decode(buf, numel=100, ranks=1):
     ("negative", "outside bucket"), ("unsorted", "unsorted or repeated"),
     ("duplicate", "unsorted or repeated"), ("huge_count", "more than the bucket"),
     ("truncated_golomb", "Golomb"), ("truncated_header", "header"),
-    ("huge_rice_parameter", "Rice parameter"),
+    ("huge_rice_parameter", "Rice parameter"), ("zeros", "hvd.join"),
 ])
 def test_malformed_payloads_end_in_payload_error_naming_rank_and_bucket(case, match):
     good = _payload([1, 5, 9], [1.0, 2.0, 3.0])
@@ -153,6 +153,8 @@ def test_malformed_payloads_end_in_payload_error_naming_rank_and_bucket(case, ma
     elif case == "huge_rice_parameter":  # would shift past 63 bits (and allocate count * b)
         buf = _payload([1, 5, 9], [1.0, 2.0, 3.0], coding="golomb")
         buf[wire.HEADER_BYTES + 4] = 200
+    elif case == "zeros":  # what a rank inside hvd.join() puts in an allgather
+        buf = torch.zeros_like(good)
     else:
         buf = good[:10]
     bufs = torch.cat([good, buf])
@@ -328,6 +330,89 @@ def test_exchange_auto_picks_updates_for_adaptive_optimizers():
         == "gradient"
     assert exchange(lambda p: torch.optim.Adam(p, lr=1e-3), exchange="gradient") == "gradient"
     assert exchange(lambda p: torch.optim.SGD(p, lr=0.1), exchange="update") == "update"
+    # nothing sparsified: Horovod's own step; a sum of gradients: not P updates
+    assert exchange(lambda p: torch.optim.Adam(p, lr=1e-3), density=1.0) == "gradient"
+    assert exchange(lambda p: torch.optim.Adam(p, lr=1e-3), op=hvd_sparse.Sum) == "gradient"
+    assert exchange(lambda p: torch.optim.Adam(p, lr=1e-3), op=hvd_sparse.Average) == "update"
+
+
+def test_gradient_accumulation_set_later_turns_auto_updates_into_gradients():
+    """set_backward_passes_per_step(2) after wrapping an adaptive optimizer: the library's
+    choice of updates gives way before any was exchanged (as the constructor's would); an
+    explicit exchange="update", or one already under way, refuses clearly."""
+    m = _net()
+    opt = _wrap(m, torch.optim.Adam(m.parameters(), lr=1e-3))
+    assert opt.communication_stats()["exchange"] == "update"
+    opt.set_backward_passes_per_step(2.0)  # a whole float, as Horovod takes it
+    assert opt.communication_stats()["exchange"] == "gradient"
+    assert opt.backward_passes_per_step == 2
+    _train(m, opt, 1)  # two backward passes per step now: one step is fine
+    m2 = _net()
+    forced = _wrap(m2, torch.optim.Adam(m2.parameters(), lr=1e-3), exchange="update")
+    with pytest.raises(ValueError, match="cannot be combined with exchanged weight updates"):
+        forced.set_backward_passes_per_step(2)
+    with pytest.raises(ValueError, match="positive whole number"):
+        opt.set_backward_passes_per_step(1.5)
+
+
+def test_horovod_keywords_readable_and_taken_as_horovod_takes_them():
+    m = _net()
+    opt = _wrap(m, backward_passes_per_step=1.0, sparse_as_dense=1,
+                gradient_predivide_factor=2.0)
+    assert opt.op == hvd_sparse.Average and opt.gradient_predivide_factor == 2.0
+    assert opt.sparse_as_dense is True and opt.backward_passes_per_step == 1
+    assert _wrap(_net(), op=hvd_sparse.Sum).op == hvd_sparse.Sum
+    with pytest.raises(ValueError, match="positive whole number"):
+        _wrap(_net(), backward_passes_per_step=0)
+
+
+def test_no_second_exchange_of_an_exchanged_gradient():
+    """Horovod re-averages identical values when step() follows synchronize() without
+    skip_synchronize(), or when step() runs twice on one backward: nothing changes. Here the
+    gradient written by the exchange is not compressed again; a gradient set by hand is
+    exchanged."""
+    m = _net()
+    opt = _wrap(m, density=0.05)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 32, generator=g), torch.randint(0, 3, (16,), generator=g)
+    opt.zero_grad()
+    F.cross_entropy(m(x), y).backward()
+    opt.synchronize()
+    synced = [p.grad.clone() for p in m.parameters()]
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.warns(UserWarning, match="skip_synchronize"):
+        opt.step()
+    for a, p, w in zip(synced, m.parameters(), before):
+        assert torch.equal(p.grad, a)
+        assert torch.equal(p.detach(), w.add(a, alpha=-0.1))  # the synchronised gradient
+    steps = opt.communication_stats()["steps"]
+    opt.step()  # no backward since: the same gradient again, no exchange
+    assert opt.communication_stats()["steps"] == steps
+    assert all(torch.equal(p.grad, a) for a, p in zip(synced, m.parameters()))
+    for p in m.parameters():  # a gradient written by hand is new: exchanged (sparsified)
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.communication_stats()["steps"] == steps + 1
+    assert any(bool((p.grad == 0).any()) for p in m.parameters())
+
+
+def test_update_exchange_step_fills_missing_gradients_and_warns_after_synchronize():
+    """Exchanged updates: step() without a backward gives every parameter a zero gradient, as
+    Horovod's synchronize() does, so decoupled weight decay still applies; step() after
+    synchronize() without skip_synchronize() warns as Horovod's does."""
+    m = _net()
+    opt = _wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.5))
+    assert opt.communication_stats()["exchange"] == "update"
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.zero_grad(set_to_none=True)
+    opt.step()
+    assert all(p.grad is not None and not bool(p.grad.any()) for p in m.parameters())
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before))
+    opt.zero_grad()
+    F.cross_entropy(m(torch.randn(4, 32)), torch.tensor([0, 1, 2, 0])).backward()
+    opt.synchronize()
+    with pytest.warns(UserWarning, match="skip_synchronize"):
+        opt.step()
 
 
 def test_density_cooldown_schedule_and_sent_counts():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Optional
@@ -31,14 +32,22 @@ def adaptive_optimizer_classes() -> tuple:
 
 
 def resolve_exchange(exchange: str, optimizer, backward_passes_per_step: int,
-                     local_steps: int) -> str:
+                     local_steps: int, density: float = 0.01, op=None) -> str:
     """``"auto"``: exchange each rank's *update* for adaptive optimizers (Adam, AdamW, RMSprop,
     ...), whose per-coordinate normalisation shrinks the rare, accumulated steps a sparse
     gradient gives them (measured in benchmarks/convergence.py), and gradients otherwise
-    (Horovod's contract, kept for SGD and with gradient accumulation)."""
+    (Horovod's contract, kept for SGD and with gradient accumulation). Gradients too where
+    nothing is sparsified (``density`` 1: Horovod's own step, bit for bit) and under
+    ``op=Sum`` (a sum of gradients, which an adaptive step normalises; a sum of updates
+    would be P of them)."""
     if exchange != "auto":
         return exchange
     if local_steps > 1 or backward_passes_per_step > 1:
+        return "gradient"
+    from .. import compat
+
+    if (isinstance(density, (int, float)) and density >= 1) \
+            or (op is not None and op != compat.Average):
         return "gradient"
     return "update" if isinstance(optimizer, adaptive_optimizer_classes()) else "gradient"
 NONFINITE = ("propagate", "raise", "skip", "ignore")
@@ -98,6 +107,16 @@ class EngineConfig:
         """Weight updates (after a local optimizer step) are exchanged from ``step()``, not
         gradients from the backward hooks: ``exchange="update"`` or ``local_steps > 1``."""
         return self.exchange == "update" or self.local_steps > 1
+
+
+def passes_per_step(value) -> int:
+    """``backward_passes_per_step`` as an int: a positive whole number (``2.0`` too, which
+    Horovod takes)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value != int(value) or value < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive whole number, "
+                         f"got {value!r}")
+    return int(value)
 
 
 def _density(name, value):
@@ -162,11 +181,10 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
                          f"got {gradient_predivide_factor!r}")
     if gradient_predivide_factor != 1.0 and not average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step <= 0:
-        raise ValueError("backward_passes_per_step must be > 0")
-    if not isinstance(sparse_as_dense, bool):
+    backward_passes_per_step = passes_per_step(backward_passes_per_step)
+    if sparse_as_dense not in (True, False):  # (1 and 0 too, as Horovod takes them)
         raise TypeError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
+    sparse_as_dense = bool(sparse_as_dense)
     if total_steps is not None:
         _nonneg_int("total_steps", total_steps, 1)
     _nonneg_int("density_cooldown_steps", density_cooldown_steps)
