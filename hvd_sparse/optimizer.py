@@ -139,14 +139,15 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         """Does ``p.grad`` still hold what the last exchange wrote, the same on every rank (no
         backward since, no write to it)? Then another exchange would only compress an average
         again, where Horovod's allreduce of identical values changes nothing."""
-        if self._hs_touched or self._hs_engine.inflight:
-            return False
-        if self._synchronized:  # synchronize() again before step(): what it gave stands
-            return True
         written = self._hs_written
-        return written is not None and all(
-            p.grad is not None and p.grad is ref() and p.grad._version == version
-            for p, ref, version in written)
+        if self._hs_touched or self._hs_engine.inflight or written is None \
+                or not all(p.grad is not None and p.grad is ref() for p, ref, _ in written):
+            return False
+        if self._synchronized:
+            # synchronize() again before step(): what it gave stands, written since or not
+            # (clipping in between, the same on every rank)
+            return True
+        return all(p.grad._version == version for p, _, version in written)
 
     # ----------------------------------------------------------------- Horovod's API
     @property

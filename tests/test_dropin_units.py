@@ -394,6 +394,11 @@ def test_no_second_exchange_of_an_exchanged_gradient():
     opt.step()
     assert opt.communication_stats()["steps"] == steps + 1
     assert any(bool((p.grad == 0).any()) for p in m.parameters())
+    for _ in range(2):  # so is one handed to synchronize() again before any step()
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+        opt.synchronize()
+    assert opt.communication_stats()["steps"] == steps + 3
 
 
 def test_update_exchange_step_fills_missing_gradients_and_warns_after_synchronize():
