@@ -23,9 +23,9 @@ On the CPU each row also records the same copy through the C library's ``memcpy`
 so the ``floor_s`` ratio flatters the engine.
 Exchanged updates (``--exchanges update``, the default for adaptive optimizers): Top-K at the
 first rank count, timed over ``step()`` (the wrapped SGD's own step, timed alone on the same
-gradients in the same run, is subtracted); its budget is 28 bytes per entry (the finite check
-of the gradient 4, the uplink scan of params, anchor and residual writing acc 16, the reset of
-the parameters to the anchor 8).
+gradients in the same run, is subtracted); its budget is 24 bytes per entry (the finite check
+of the gradient 4, the uplink scan of params, anchor and residual writing acc 16 and the
+parameters back at the anchor 4; 28 while that reset was a copy after the exchange).
 Results: benchmarks/results/engine_<device>.json and a stacked-bar PNG of the stages.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ from hvd_sparse.transport import Transport
 
 #: by device, the downlink answering from its watch (CuPy: the commit is still a pass of 12)
 BUDGET_BYTES_PER_ENTRY = {"cpu": 16, "cuda": 24}
-UPDATE_BYTES_PER_ENTRY = 28  # exchanged updates on the numba backend (docs/design.md)
+UPDATE_BYTES_PER_ENTRY = 24  # exchanged updates on the numba backend (docs/design.md)
 UPDATE_LR = 0.5  # the wrapped SGD's rate there: weight changes about the gradients' size
 SCAN_BYTES_PER_ENTRY = 4  # what a downlink scan adds
 

@@ -371,3 +371,25 @@ def test_weight_change_formed_in_the_scan_gives_the_bits_written_first(with_a_pa
         assert reads["in_scan"] >= 8 * (2 if scope == "tensor" else 1)
     assert ref_opt.communication_stats()["totals"]["weight_change_reads"]["in_scan"] == 0
     assert _same(_bits(model, opt), _bits(ref_model, ref_opt))
+
+
+class _ScanThenGiveUp(hvd_sparse.TopK):
+    """Top-K whose fused form scans (writing acc, and with exchanged updates putting the
+    parameters back at the anchor), then hands the bucket to the plain path."""
+
+    name = "scan-then-give-up"
+
+    def fused(self, ops, grad, residual, density, ctx):
+        ops.scan(grad, residual, 1.0, 1.0)
+        return None
+
+
+def test_a_method_giving_up_after_its_scan_sends_the_same_bits(with_a_pass, one_thread):
+    """Exchanged updates: after the scan the parameters are back at the anchor, so the plain
+    path cannot read the weight change again; it reads acc with the residual folded in, and
+    every bit (parameters, residuals) is the one of the change written first."""
+    kw = dict(adam=True, scope="model", sparsifier=_ScanThenGiveUp(), hidden=3000)
+    model, opt, _ = _run(5, **kw)
+    ref_model, ref_opt, _ = with_a_pass(5, **kw)
+    assert opt.communication_stats()["totals"]["weight_change_reads"]["in_scan"] == 5
+    assert _same(_bits(model, opt), _bits(ref_model, ref_opt))

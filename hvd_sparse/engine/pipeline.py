@@ -116,6 +116,8 @@ class Engine:
         self._agreed_size: Optional[int] = None
         self.skip_step = False
         self._snapshots = {}  # residuals a non-finite step must give back (plain path, flush)
+        # buckets whose uplink scan put the parameters back at the anchor (exchanged updates)
+        self._params_at_anchor = set()
         self._sparsifier_snapshot = None  # sparsifier state at the start of the round
         self._local_nonfinite: List[str] = []
         self._flag_at_exchange = False  # communication delay: a local step saw NaN/Inf
@@ -428,9 +430,16 @@ class Engine:
         if sel is not None and sel.nonfinite:
             self._send_nonfinite(b, flat, name, sparse_ids)
             return
+        if accumulating is not None and accumulating.reset_done:
+            self._params_at_anchor.add(b.index)
         if sel is None:
             if accumulating is not None and accumulating.pending:
                 accumulating.materialize()  # the method decided without a scan
+            elif accumulating is not None and accumulating.reset_done:
+                # the parameters are back at the anchor, so the change cannot be read again:
+                # acc is in flat; with the residual folded in (zeroed), the plain path reads
+                # acc + 0 = acc
+                residual.zero_()
             elif accumulating is not None and accumulating.written and accumulating.into is flat:
                 # the scan left acc in the engine's own copy: the plain path needs the input
                 flat = self.weight_change(b) if given else self.gradient(b)[0]
@@ -478,7 +487,10 @@ class Engine:
                 or residual.dtype != torch.float32 or flat.numel() != residual.numel():
             return None
         if flat is st.scratch:  # the gradient in its pieces, or concatenated there
-            return cpu.AccumulatingOps(flat, residual, flat, parts, minus)
+            # (a weight change: the scan also puts the parameters back at the anchor, so
+            # that the write after the exchange is O(k), :meth:`_write_sparse`)
+            return cpu.AccumulatingOps(flat, residual, flat, parts, minus,
+                                       reset=minus is not None)
         spare = st.spare
         if spare is None or spare.numel() != residual.numel():
             st.spare = spare = torch.empty_like(residual)
@@ -660,6 +672,7 @@ class Engine:
             self._serving.clear()
             self._histogram_bytes.clear()
             self.inflight.clear()
+            self._params_at_anchor.clear()
             self._snapshots.clear()
             self._sparsifier_snapshot = None
             self._local_nonfinite = []
@@ -1085,8 +1098,13 @@ class Engine:
         ``zeroed``: the uplink commit already zeroed it in its pass."""
         if write == "delta":  # anchor += the selected change (O(k)), then params = anchor
             anchor = self.state[b.index].anchor
-            ops.scatter_add(anchor, idx, values.to(anchor.dtype), 1.0)
-            return self._restore_anchor(b)
+            if b.index not in self._params_at_anchor:
+                ops.scatter_add(anchor, idx, values.to(anchor.dtype), 1.0)
+                return self._restore_anchor(b)
+            # the uplink scan put the parameters back at the old anchor: only the selected
+            # entries move, to their new anchor values (handed back by the scatter, O(k))
+            now, _ = cpu.scatter_add(anchor, idx, values.to(anchor.dtype), 1.0, read=True)
+            values, zeroed = torch.from_numpy(now), True
         single = len(b.params) == 1
         grouped = None
         if not single and self._groups(b, ops, values):
@@ -1109,7 +1127,7 @@ class Engine:
                 flat[lo + sub_idx] = sub_val.to(p.dtype)
                 p.grad = dense.to_sparse()
                 continue
-            seg = p.grad.view(-1)[lo:hi]
+            seg = (p.detach() if write == "delta" else p.grad).view(-1)[lo:hi]
             if not zeroed:
                 stream.zero_(seg)
             ops.set_at(seg, sub_idx, sub_val)
@@ -1553,6 +1571,7 @@ class Engine:
 
     def reset_round(self):
         self.inflight.clear()
+        self._params_at_anchor.clear()
         self._snapshots.clear()
         self._sparsifier_snapshot = None
 

@@ -64,7 +64,8 @@ if HAVE_NUMBA:
         return x - y
 
     @njit(fastmath=FASTMATH, cache=True)
-    def _scan_chunk(g, r, thi, tlo, base, out_idx, out_val, start, cap, into, h=None):
+    def _scan_chunk(g, r, thi, tlo, base, out_idx, out_val, start, cap, into, h=None,
+                    reset=False):
         """One read of a chunk: candidates (``acc >= thi`` or ``acc <= -tlo``) appended to
         ``out[start:start + cap]`` in index order, while they fit (slot ``start + cap`` is
         written too, and must exist and be free); returns (candidates seen,
@@ -73,7 +74,8 @@ if HAVE_NUMBA:
         ``into + r`` written back into ``into`` when ``g`` is None (in place: one array
         argument, so the loop vectorises without an aliasing check). ``h`` (with ``g`` and
         ``into``): ``acc = (g - h) + r``, a weight change ``params - anchor`` never
-        written by itself (:class:`AccumulatingOps` with ``minus``)
+        written by itself (:class:`AccumulatingOps` with ``minus``); ``reset`` then also
+        writes ``g = h`` (the parameters back at the anchor) in the same pass
 
         Per 32-entry block a vectorised loop builds a bit mask of the candidates and sums
         ``a * a``; the set bits are then visited one by one (trailing-zero count), so only
@@ -155,6 +157,9 @@ if HAVE_NUMBA:
                             into[lo + j] = a
                             mask |= np.uint32((a >= thi) | (a <= -tlo)) << np.uint32(j)
                             e += a * a
+                    if reset:  # the block is in cache: a loop of its own keeps both simple
+                        for j in range(BLOCK):
+                            g[lo + j] = h[lo + j]
             energy += e
             # the block's first two candidates without a branch: at the densities used a
             # block holds none, one or two about equally unpredictably, and a mispredicted
@@ -201,6 +206,8 @@ if HAVE_NUMBA:
                     a = g[i] + r[i]
                 else:
                     a = _minus(g[i], h[i]) + r[i]
+                    if reset:
+                        g[i] = h[i]
                 if into is not None:
                     into[i] = a
             energy += a * a
@@ -616,12 +623,13 @@ def scan(g, r, t_hi, t_lo, expect=None, into=None) -> Scan:
                 (gn, rn, thi, tlo, counts))
 
 
-def scan_parts(parts, r, t_hi, t_lo, expect, into, minus=None) -> Scan:
+def scan_parts(parts, r, t_hi, t_lo, expect, into, minus=None, reset=False) -> Scan:
     """:func:`scan` of ``acc = g + r`` where ``g`` lies in pieces (a bucket's ``p.grad``, each
     with its offset in the bucket: ``(numpy float32 array, offset)``, in order, covering it),
     writing ``acc`` into ``into``: the concatenation of the pieces is never made. On the
     calling thread (numba cannot run a Python list of arrays in parallel). ``minus`` (float32,
-    the bucket's length): ``g`` is each piece minus it, ``acc = (piece - minus) + r``."""
+    the bucket's length): ``g`` is each piece minus it, ``acc = (piece - minus) + r``; with
+    ``reset`` each piece is set to ``minus`` in the same pass."""
     rn, into_n = _np(r), _np(into)
     mn = None if minus is None else _np(minus)
     n = rn.size
@@ -636,7 +644,8 @@ def scan_parts(parts, r, t_hi, t_lo, expect, into, minus=None) -> Scan:
     for j, (g, off) in enumerate(parts):
         hi = off + g.size
         counts[j], e = _scan_chunk(g, rn[off:hi], thi, tlo, off, out_idx, out_val, starts[j],
-                                   caps[j], into_n[off:hi], None if mn is None else mn[off:hi])
+                                   caps[j], into_n[off:hi], None if mn is None else mn[off:hi],
+                                   reset and mn is not None)
         energy += e
     count = int(counts.sum())
     if not (counts <= caps).all():  # the room was short: acc is written, scan it alone
@@ -671,9 +680,13 @@ class AccumulatingOps:
     reads. ``written`` says whether it happened (a method may decide without a scan, or give
     up after one and take the plain path)."""
 
-    def __init__(self, g, r, into, parts=None, minus=None):
+    def __init__(self, g, r, into, parts=None, minus=None, reset=False):
         self.g, self.r, self.into = g, r, into
         self.written = False
+        # with ``minus``: the first scan also sets the pieces to ``minus`` (parameters back
+        # at the anchor); ``reset_done`` says it did, after which the pieces no longer hold g
+        self.reset = reset
+        self.reset_done = False
         # ``g`` (= ``into``) not filled yet: the gradient lies in these pieces, (tensor,
         # offset) in order, which the first scan reads instead of their concatenation
         self.parts = parts
@@ -723,8 +736,10 @@ class AccumulatingOps:
     def scan(self, g, r, t_hi, t_lo, expect=None):
         if not self.written and g is self.g and r is self.r:
             if self.parts is not None:
-                s = scan_parts(self._pieces(), r, t_hi, t_lo, expect, self.into, self.minus)
+                s = scan_parts(self._pieces(), r, t_hi, t_lo, expect, self.into, self.minus,
+                               self.reset)
                 self.parts, self.read_pieces = None, True
+                self.reset_done = self.reset and self.minus is not None
             else:
                 s = scan(g, r, t_hi, t_lo, expect, into=self.into)
             self.written = True
@@ -957,6 +972,9 @@ def warm_up() -> None:
             select.topk(AccumulatingOps(own, r, own), own, r, 100)
             pieces = [(g[:1000], 0), (g[1000:], 1000)]
             select.topk(AccumulatingOps(own, r, own, pieces), own, r, 100)
+            anchor = g.clone()  # a weight change read as params - anchor, params then reset
+            select.topk(AccumulatingOps(own, r, own, [(g.clone(), 0)], anchor, True), own, r,
+                        100)
             group(torch.arange(10), torch.ones(10), np.array([0, 4, 10], dtype=np.int64))
             # the downlink watch's primitives (kernels/watch.py)
             idx, val = np.arange(0, 1000, 3, dtype=np.int64), np.linspace(-1, 1, 334,

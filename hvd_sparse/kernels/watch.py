@@ -7,6 +7,7 @@ is strictly below the bound. A Top-K needs only the union of that list with the 
 positions, as long as at least k of them reach the bound: then no entry outside can beat, or
 tie with, the k-th. A hard threshold at or above the bound needs only the payloads' positions;
 GaussianK runs its own steps over the candidates while its thresholds stay at or above it.
+SBC keeps a bound per sign (it needs each sign's k largest; see :meth:`ResidualWatch.sbc`).
 The work per step is O(P k) instead of a pass over the whole residual; where the condition
 fails (a young or reloaded residual, k grown past the list) one ordinary scan decides and
 refills the list.
