@@ -205,14 +205,12 @@ class ResidualWatch:
     def _relist(self, pos, neg, sel, bound, bound_neg, k) -> None:
         """The list after an SBC step: ``pos`` and ``neg``, lists of (indices, values) at or
         above ``bound`` and at or below ``-bound_neg``, none of them sent; and what the commit
-        leaves at the sent positions. Each sign is trimmed on its own (see :meth:`_keep`)."""
+        leaves at the sent positions. Each sign is trimmed on its own (:func:`_trimmed`)."""
         li, lv, mi, mv = cpu.split_sides(sel.idx.numpy(), _left(sel))
         (pi, pv), (ni, nv) = (tuple(np.concatenate(a) for a in zip(*parts))
                               for parts in (pos + [(li, lv)], neg + [(mi, mv)]))
-        if pv.size > TRIM_FACTOR * k + 1024:
-            pi, pv, bound = cpu.largest(pi, pv, k, bound)
-        if nv.size > TRIM_FACTOR * k + 1024:
-            ni, nv, bound_neg = cpu.largest(ni, nv, k, bound_neg)
+        pi, pv, bound = _trimmed(pi, pv, bound, k)
+        ni, nv, bound_neg = _trimmed(ni, nv, bound_neg, k)
         self._set(np.concatenate([pi, ni]), np.concatenate([pv, nv]), bound, bound_neg)
 
     def run(self, ops, r: torch.Tensor, k: int, method) -> select.Selection:
@@ -281,11 +279,8 @@ class ResidualWatch:
         return max(self.bound, self.bound_neg)
 
     def _keep(self, idx, val, bound, k) -> None:
-        """The unselected entries at or above ``bound``; past TRIM_FACTOR * k of them the
-        bound rises to the k-th largest magnitude (those dropped are below it)."""
-        if idx.size > TRIM_FACTOR * k + 1024:
-            idx, val, bound = cpu.largest(idx, val, k, bound)
-        self._set(idx, val, bound)
+        """The unselected entries at or above ``bound``, trimmed (:func:`_trimmed`)."""
+        self._set(*_trimmed(idx, val, bound, k))
 
 
 class _NeedScan(Exception):
@@ -327,6 +322,14 @@ class _WatchedOps:
             return cidx[:0], cval[:0]
         idx, val, _, _ = cpu.pick_unordered(cidx.numpy(), cval.numpy(), k)
         return torch.from_numpy(idx), torch.from_numpy(val)
+
+
+def _trimmed(idx, val, bound, k):
+    """A list past TRIM_FACTOR * k entries cut to those at or above the k-th largest magnitude,
+    which becomes its bound (the entries dropped are below it): (indices, values, bound)."""
+    if idx.size > TRIM_FACTOR * k + 1024:
+        return cpu.largest(idx, val, k, bound)
+    return idx, val, bound
 
 
 def _largest_of_side(idx, val, k):
