@@ -42,6 +42,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_process_set = process_set
         # p.grad as the last exchange wrote it: (parameter, weak reference, version)
         self._hs_written = None
+        # p.grad as backward handed it to the exchange this step: parameter -> (tensor,
+        # version); and whether a write to it after that was already reported
+        self._hs_handed = {}
+        self._hs_warned_write = False
         self._hs_transport = engine.transport
         self._parameter_names = {p: n for n, p in named_parameters}
         self.backward_passes_per_step = engine.config.backward_passes_per_step
@@ -102,7 +106,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if not engine.transport.ordered:
             for b in complete:
                 if b.index not in engine.inflight:
-                    engine.launch(b)
+                    self._hs_launch(b)
             return
         order = engine.launch_order
         i = self._hs_next
@@ -111,12 +115,21 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             if b.index not in engine.inflight:
                 if self._hs_ready[b.index] != len(b.params):
                     break
-                engine.launch(b)
+                self._hs_launch(b)
             i += 1
         self._hs_next = i
 
+    def _hs_launch(self, b):
+        """Start a bucket during backward and note its gradients as handed over (a later
+        in-place write to them is reported by :meth:`_hs_check_handed`)."""
+        self._hs_engine.launch(b)
+        for p in b.params:
+            if p.grad is not None:
+                self._hs_handed[p] = (p.grad, p.grad._version)
+
     def _hs_reset_round(self):
         self._hs_engine.reset_round()
+        self._hs_handed.clear()
         self._hs_touched = False
         self._hs_next = 0  # the first bucket of the launch order not yet started
         for k in self._hs_ready:
@@ -134,6 +147,26 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     def _hs_record_written(self):
         self._hs_written = [(p, weakref.ref(p.grad), p.grad._version)
                             for p in self._hs_buckets_of if p.grad is not None]
+
+    def _hs_check_handed(self):
+        """Warn (once) when ``p.grad`` was written in place after backward handed it to the
+        exchange: the exchanged gradient of what backward produced is written over it. Under
+        Horovod such a write races the in-place allreduce; the common case is
+        ``scaler.step(optimizer)`` without ``synchronize()`` first, whose ``unscale_`` would
+        be lost and the step taken with the loss scale still in the gradient."""
+        if self._hs_warned_write:
+            return
+        changed = [self._parameter_names.get(p, "?") for p, (g, version) in self._hs_handed.items()
+                   if p.grad is not g or g._version != version]
+        if changed:
+            self._hs_warned_write = True
+            warnings.warn(
+                f"p.grad of {changed[0]!r}{f' and {len(changed) - 1} more' if len(changed) > 1 else ''} "
+                "was written in place after backward() handed it to the exchange (e.g. "
+                "GradScaler's unscale_ inside scaler.step(optimizer)); the exchanged gradient "
+                "replaces that write. With a loss scaler, call optimizer.synchronize() and "
+                "scaler.unscale_(optimizer) first and step inside "
+                "optimizer.skip_synchronize(), as Horovod's AMP example does.")
 
     def _hs_nothing_new(self) -> bool:
         """Does ``p.grad`` still hold what the last exchange wrote, the same on every rank (no
@@ -191,6 +224,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if self._hs_nothing_new():
             self._synchronized = True
             return
+        self._hs_check_handed()
         try:
             self._hs_engine.finish("grads")
         finally:

@@ -455,3 +455,37 @@ def test_density_cooldown_needs_the_runs_length():
     m = _net()
     with pytest.warns(UserWarning, match="meant for gradient exchange"):
         _wrap(m, torch.optim.AdamW(m.parameters()), total_steps=10, density_cooldown_steps=2)
+
+
+def test_a_write_to_the_handed_gradient_is_reported_once():
+    """GradScaler's plain scaler.step(optimizer) unscales p.grad after backward handed it to
+    the exchange, which then writes the exchanged (still scaled) gradient over it: reported,
+    once; the documented pattern (synchronize, unscale_, skip_synchronize) is quiet."""
+    m = _net()
+    opt = _wrap(m, density=0.05)
+    g = torch.Generator().manual_seed(5)
+
+    def backward():
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 3, (16,), generator=g)
+        opt.zero_grad()
+        (1024.0 * F.cross_entropy(m(x), y)).backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backward()
+        opt.synchronize()
+        for p in m.parameters():
+            p.grad.mul_(1 / 1024.0)  # after synchronize: the documented place
+        with opt.skip_synchronize():
+            opt.step()
+    backward()
+    for p in m.parameters():
+        p.grad.mul_(1 / 1024.0)  # before step(): the exchange has the scaled gradient
+    with pytest.warns(UserWarning, match="written in place after backward"):
+        opt.step()
+    backward()
+    for p in m.parameters():
+        p.grad.mul_(1 / 1024.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once is enough
+        opt.step()
