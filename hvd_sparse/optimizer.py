@@ -46,6 +46,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         # version); and whether a write to it after that was already reported
         self._hs_handed = {}
         self._hs_warned_write = False
+        self._hs_warned_unexchanged = False
         self._hs_transport = engine.transport
         self._parameter_names = {p: n for n, p in named_parameters}
         self.backward_passes_per_step = engine.config.backward_passes_per_step
@@ -168,6 +169,23 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 "scaler.unscale_(optimizer) first and step inside "
                 "optimizer.skip_synchronize(), as Horovod's AMP example does.")
 
+    def _hs_check_unexchanged(self):
+        """Warn (once) when a parameter with a gradient is stepped without being exchanged
+        (added with ``add_param_group`` or made trainable after wrapping): each rank then
+        moves it by its own gradient, and the replicas drift apart. Horovod does the same
+        without a word."""
+        if self._hs_warned_unexchanged or self._hs_passthrough:
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p not in self._requires_update:
+                    self._hs_warned_unexchanged = True
+                    warnings.warn("a parameter with a gradient is not exchanged (added with "
+                                  "add_param_group or made trainable after the optimizer was "
+                                  "wrapped): each rank steps it by its own gradient. Wrap the "
+                                  "optimizer once its parameters are all there.")
+                    return
+
     def _hs_nothing_new(self) -> bool:
         """Does ``p.grad`` still hold what the last exchange wrote, the same on every rank (no
         backward since, no write to it)? Then another exchange would only compress an average
@@ -256,6 +274,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if engine.skip_step:  # a non-finite gradient somewhere: no update on any rank
             engine.skip_step = False
             return None
+        self._hs_check_unexchanged()
         return self._hs_base.step(self, closure)
 
     def _hs_local_step(self, closure):
@@ -264,6 +283,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         engine.ensure_anchors()
         if self._hs_transport.included():
             self._hs_fill_missing_grads()
+            self._hs_check_unexchanged()
         # a non-finite gradient is not applied locally (the weights would never recover)
         result = self._hs_base.step(self, closure) if engine.local_step_finite() else None
         self._hs_reset_round()

@@ -489,3 +489,27 @@ def test_a_write_to_the_handed_gradient_is_reported_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once is enough
         opt.step()
+
+
+def test_a_parameter_added_after_wrapping_is_reported_once():
+    """add_param_group after wrapping: the new parameter is stepped by each rank's own
+    gradient (as under Horovod); said once."""
+    m = _net()
+    opt = _wrap(m)
+    extra = torch.nn.Parameter(torch.zeros(5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(m, opt, 1)  # nothing added yet: quiet
+    opt.add_param_group({"params": [extra]})
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(m(torch.randn(4, 32)), torch.tensor([0, 1, 2, 0])).backward()
+        extra.grad = torch.ones(5)
+        opt.step()
+
+    with pytest.warns(UserWarning, match="not exchanged"):
+        step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step()
