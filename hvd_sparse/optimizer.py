@@ -47,6 +47,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_handed = {}
         self._hs_warned_write = False
         self._hs_warned_unexchanged = False
+        self._hs_group_sizes, self._hs_outside = None, []  # (see _hs_check_unexchanged)
         self._hs_transport = engine.transport
         self._parameter_names = {p: n for n, p in named_parameters}
         self.backward_passes_per_step = engine.config.backward_passes_per_step
@@ -124,6 +125,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         """Start a bucket during backward and note its gradients as handed over (a later
         in-place write to them is reported by :meth:`_hs_check_handed`)."""
         self._hs_engine.launch(b)
+        if self._hs_warned_write:  # said once: nothing more to note
+            return
         for p in b.params:
             if p.grad is not None:
                 self._hs_handed[p] = (p.grad, p.grad._version)
@@ -176,15 +179,19 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         without a word."""
         if self._hs_warned_unexchanged or self._hs_passthrough:
             return
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p not in self._requires_update:
-                    self._hs_warned_unexchanged = True
-                    warnings.warn("a parameter with a gradient is not exchanged (added with "
-                                  "add_param_group or made trainable after the optimizer was "
-                                  "wrapped): each rank steps it by its own gradient. Wrap the "
-                                  "optimizer once its parameters are all there.")
-                    return
+        # the parameters outside the exchange, found again only when the groups change (a
+        # per-step walk over every parameter would be hot-path work for a rare mistake)
+        sizes = tuple(len(g["params"]) for g in self.param_groups)
+        if sizes != self._hs_group_sizes:
+            self._hs_group_sizes = sizes
+            self._hs_outside = [p for g in self.param_groups for p in g["params"]
+                                if p not in self._requires_update]
+        if any(p.grad is not None for p in self._hs_outside):
+            self._hs_warned_unexchanged = True
+            warnings.warn("a parameter with a gradient is not exchanged (added with "
+                          "add_param_group or made trainable after the optimizer was wrapped): "
+                          "each rank steps it by its own gradient. Wrap the optimizer once its "
+                          "parameters are all there.")
 
     def _hs_nothing_new(self) -> bool:
         """Does ``p.grad`` still hold what the last exchange wrote, the same on every rank (no
