@@ -148,6 +148,16 @@ def levers(steps):
             "--no-bidirectional", *cool],
         "topk0.1%-update-unidirectional-warmup5-cooldown": ["--density", "0.001", *update,
                                                             "--no-bidirectional", *warm5, *cool],
+        # the uplink/downlink density split (Zou et al. bound the downlink's extra error by its
+        # own compression ratio; with the allgather collective the downlink selection sends no
+        # bytes, so its density is free to choose): the CLI's SGD default with the downlink
+        # selecting half, a quarter or twice the uplink's density
+        "topk1%-update-warmup-down0.5%": ["--density", "0.01", *update, *warm,
+                                          "--downlink-density", "0.005"],
+        "topk1%-update-warmup-down0.25%": ["--density", "0.01", *update, *warm,
+                                           "--downlink-density", "0.0025"],
+        "topk1%-update-warmup-down2%": ["--density", "0.01", *update, *warm,
+                                        "--downlink-density", "0.02"],
         "topk0.1%-grad": ["--density", "0.001", *grad],
         "topk0.1%-update": ["--density", "0.001", *update],
     }
