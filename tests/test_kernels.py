@@ -372,3 +372,45 @@ def test_flush_denormal_keeps_zeros_out(method, downlink):
     if method == "sbc":  # (Top-K's definition takes k entries, zeros by lowest index)
         idx = flushed[0][0]
         assert 0 < idx.numel() <= k // 2 and bool((grad[idx] != 0).all()), "sent a zero"
+
+
+@pytest.mark.skipif(not cpu.available(), reason="numba is not installed: the merged support "
+                                                "sum is the numba backend's")
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5, 17])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_support_sum_merged_equals_the_scatter(ranks, scale, monkeypatch):
+    """Adaptive k's signal: the aggregate's non-zero values, merged by position (no scratch)
+    or scattered into a zero scratch (beyond MERGE_MAX_PAYLOADS, forced here too), give the
+    same values bit for bit, cancellations dropped, and the same order-free square sum as
+    the torch reference; the scratch is left all zero."""
+    from hvd_sparse.kernels.sums import fixed_point_sum
+    from hvd_sparse.wire import Payload
+
+    n = 5000
+    g = torch.Generator().manual_seed(ranks)
+    payloads = []
+    for r in range(ranks):
+        idx = torch.randperm(n, generator=g)[:400].sort().values
+        vals = torch.randn(400, generator=g)
+        if r == 1:  # exact cancellations with rank 0 at shared positions, and a zero
+            shared = idx[torch.isin(idx, payloads[0].indices)]
+            where = torch.searchsorted(payloads[0].indices, shared)
+            vals[torch.searchsorted(idx, shared)] = -payloads[0].values[where]
+            vals[0] = 0.0
+        payloads.append(Payload(idx, vals, 0))
+    payloads.append(Payload(torch.zeros(0, dtype=torch.int64), torch.zeros(0), 0))
+    scratch = torch.zeros(n)
+
+    def results():
+        out = cpu.support_sum(payloads, scale, torch.float32, "cpu", lambda: scratch)
+        assert torch.count_nonzero(scratch) == 0
+        return out
+
+    merged = results()
+    monkeypatch.setattr(cpu, "MERGE_MAX_PAYLOADS", 0)
+    scattered = results()
+    assert (merged != 0).all() and (scattered != 0).all()
+    assert torch.equal(merged.sort().values, scattered.sort().values)
+    ref = reference.support_sum(payloads, scale, torch.float32, "cpu")
+    assert torch.equal(merged.sort().values, ref[ref != 0].sort().values)
+    assert fixed_point_sum(merged, square=True) == fixed_point_sum(ref, square=True)

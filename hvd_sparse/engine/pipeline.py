@@ -780,11 +780,16 @@ class Engine:
                 p.values = c.compression.decompress(p.values, job.ctx)
             if c.sparsifier.observes or c.downlink_sparsifier.observes:
                 dtype = st.downlink.dtype
-                scratch = st.support_scratch
-                if scratch is None or scratch.device != device or scratch.dtype != dtype:
-                    st.support_scratch = scratch = torch.zeros(b.numel, dtype=dtype,
-                                                               device=device)
-                support = kernels.ops_for(scratch).support_sum(scratch, payloads, scale)
+
+                def scratch():  # made once, only for a backend that asks (all zero between uses)
+                    s = st.support_scratch
+                    if s is None or s.device != device or s.dtype != dtype:
+                        st.support_scratch = s = torch.zeros(b.numel, dtype=dtype,
+                                                             device=device)
+                    return s
+
+                ops = kernels.ops_for(torch.empty(0, dtype=dtype, device=device))
+                support = ops.support_sum(payloads, scale, dtype, device, scratch)
                 c.sparsifier.observe(support, self._ctx(b, "up"))
                 c.downlink_sparsifier.observe(support, self._ctx(b, "down"))
             watch = None

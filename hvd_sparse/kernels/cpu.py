@@ -355,6 +355,69 @@ if HAVE_NUMBA:
         return pos
 
     @njit(cache=True)
+    def _merge_two(ai, av, sa, bi, bv, sb, out_i, out_v):
+        """Two ascending, unique position lists merged: ``av * sa`` plus ``bv * sb`` where a
+        position is in both (float32, in that order); a side without the position adds
+        zero, which changes no bit of a non-zero sum. Branch-free: which list holds the next
+        position is a coin toss. Returns the merged length."""
+        na, nb = ai.size, bi.size
+        i = j = p = 0
+        zero = np.float32(0.0)
+        while i < na and j < nb:
+            a, b = ai[i], bi[j]
+            ta, tb = a <= b, b <= a
+            xa = av[i] * sa if ta else zero
+            xb = bv[j] * sb if tb else zero
+            out_i[p] = a if ta else b
+            out_v[p] = xa + xb
+            i += np.int64(ta)
+            j += np.int64(tb)
+            p += 1
+        while i < na:
+            out_i[p] = ai[i]
+            out_v[p] = av[i] * sa
+            i += 1
+            p += 1
+        while j < nb:
+            out_i[p] = bi[j]
+            out_v[p] = bv[j] * sb
+            j += 1
+            p += 1
+        return p
+
+    @njit(cache=True)
+    def _merged_sums(idx, vals, starts, scale, out):
+        """The aggregate's non-zero values without touching a full-length array: the P
+        payloads (``idx[starts[r]:starts[r + 1]]``, each ascending and unique) merged by
+        position one rank after another, so each position's sum is ``((0 + v0 s) + v1 s) +
+        ...`` in rank order, as the scatter into a zeroed scratch adds it (``0 + y`` is
+        ``y``, and a rank without the position adds nothing: the same bits; a zero partial
+        sum only ever meets ``+ y`` again). Written to ``out`` in ascending position, zeros
+        (cancellations) left out; returns how many."""
+        ranks = starts.size - 1
+        one = np.float32(1.0)
+        m = starts[1] - starts[0]
+        src_v = vals[:m] * scale  # rank 0's terms, as the first scatter leaves them
+        if ranks > 1:
+            buf_i = np.empty((2, idx.size), dtype=np.int64)
+            buf_v = np.empty((2, idx.size), dtype=np.float32)
+            m = _merge_two(idx[:starts[1]], vals[:starts[1]], scale,
+                           idx[starts[1]:starts[2]], vals[starts[1]:starts[2]], scale,
+                           buf_i[0], buf_v[0])
+            for r in range(2, ranks):
+                cur, nxt = (r - 2) % 2, (r - 1) % 2
+                m = _merge_two(buf_i[cur, :m], buf_v[cur, :m], one,
+                               idx[starts[r]:starts[r + 1]], vals[starts[r]:starts[r + 1]],
+                               scale, buf_i[nxt], buf_v[nxt])
+            src_v = buf_v[(ranks - 2) % 2, :m]
+        n = 0
+        for q in range(m):  # branch-free: written always, kept when non-zero
+            x = src_v[q]
+            out[n] = x
+            n += np.int64(x != 0.0)
+        return n
+
+    @njit(cache=True)
     def _scatter_add_read(target, idx, vals, scale, out):
         """``_scatter_add`` that also hands back each written entry's new value (already in a
         register: no extra memory access); returns whether one of them is NaN/Inf."""
@@ -863,19 +926,33 @@ def scatter_add(target, idx, vals, scale: float, read: bool = False):
     return out, _scatter_add_read(*args, out)
 
 
-def support_sum(scratch, payloads, scale: float):
-    """The aggregate's non-zero values (payloads summed in rank order), with an all-zero
-    ``scratch`` of the bucket's length (left all zero again): O(P k), no sort."""
-    total = 0
-    for p in payloads:
-        if p.indices.numel():
-            scatter_add(scratch, p.indices, p.values, scale)
-            total += p.indices.numel()
+#: up to this many payloads the support is merged (O(P) per position); beyond, scattered
+MERGE_MAX_PAYLOADS = 16
+
+
+def support_sum(payloads, scale: float, dtype, device, scratch):
+    """The aggregate's non-zero values (payloads summed in rank order), in O(P k) and without
+    a full-length pass. Up to :data:`MERGE_MAX_PAYLOADS` float32 payloads are merged by
+    position (:func:`_merged_sums`: sequential reads only, no scratch); otherwise they are
+    scattered into ``scratch()`` (an all-zero float32 tensor of the bucket's length, left all
+    zero again), which costs four random touches per entry."""
+    full = [p for p in payloads if p.indices.numel()]
+    total = sum(p.indices.numel() for p in full)
     out = np.empty(total, dtype=np.float32)
+    if not full:
+        return torch.from_numpy(out)
+    if len(full) <= MERGE_MAX_PAYLOADS and all(p.values.dtype == torch.float32 for p in full):
+        idx = np.concatenate([p.indices.numpy() for p in full])
+        vals = np.concatenate([p.values.contiguous().numpy() for p in full])
+        starts = np.zeros(len(full) + 1, dtype=np.int64)
+        starts[1:] = np.cumsum([p.indices.numel() for p in full])
+        return torch.from_numpy(out[:_merged_sums(idx, vals, starts, np.float32(scale), out)])
+    target = scratch()
+    for p in full:
+        scatter_add(target, p.indices, p.values, scale)
     pos = 0
-    for p in payloads:
-        if p.indices.numel():
-            pos = _support_values(_np(scratch), p.indices.numpy(), out, pos)
+    for p in full:
+        pos = _support_values(_np(target), p.indices.numpy(), out, pos)
     return torch.from_numpy(out[:pos])
 
 

@@ -123,20 +123,19 @@ def set_at(target, idx, vals) -> None:
     target[idx.to(device=target.device, dtype=torch.int64)] = vals.to(target.dtype)
 
 
-def support_sum(scratch, payloads, scale: float):
+def support_sum(payloads, scale: float, dtype, device, scratch=None):
     """The aggregate's values on the union of the payloads' positions, summed in rank order
-    (``scratch`` is not needed here)."""
+    (``scratch``, a full-length zero buffer some backends ask for, is not needed here)."""
     nonempty = [p for p in payloads if p.indices.numel()]
     if not nonempty:
-        return scratch[:0].clone()
-    device = scratch.device
+        return torch.zeros(0, dtype=dtype, device=device)
     union, inverse = torch.unique(torch.cat([p.indices.to(device) for p in nonempty]),
                                   return_inverse=True)
-    out = torch.zeros(union.numel(), dtype=scratch.dtype, device=device)
+    out = torch.zeros(union.numel(), dtype=dtype, device=device)
     start = 0
     for p in nonempty:
         m = p.indices.numel()
-        vals = p.values.to(device=device, dtype=scratch.dtype)
+        vals = p.values.to(device=device, dtype=dtype)
         out.index_add_(0, inverse[start:start + m], vals * scale if scale != 1.0 else vals)
         start += m
     return out
