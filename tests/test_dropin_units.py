@@ -513,3 +513,33 @@ def test_a_parameter_added_after_wrapping_is_reported_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step()
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+@pytest.mark.parametrize("density", [0.2, 1.0])
+def test_sparse_gradient_handed_back_in_horovods_layout(sparse_as_dense, density):
+    """An embedding's sparse gradient is exchanged as the dense vector it stands for and handed
+    back sparse as Horovod hands it back: by rows (values of shape [rows, dim], what code
+    reading ``grad._values()`` of an embedding expects) by default, entry by entry under
+    ``sparse_as_dense`` (Horovod's ``to_sparse()``); the same values either way."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(40, 6, sparse=True)
+    opt = hvd_sparse.DistributedOptimizer(
+        torch.optim.SGD(emb.parameters(), lr=0.1), named_parameters=emb.named_parameters(),
+        density=density, min_sparse_numel=0, cost_model="off", sparse_as_dense=sparse_as_dense,
+        transport=LocalTransport())
+    emb(torch.tensor([[1, 5, 5], [7, 1, 30]])).square().sum().backward()
+    raw = emb.weight.grad.to_dense().clone()
+    opt.synchronize()
+    g = emb.weight.grad
+    assert g.is_sparse
+    if sparse_as_dense:
+        assert (g.sparse_dim(), g.dense_dim()) == (2, 0)
+    else:
+        assert (g.sparse_dim(), g.dense_dim()) == (1, 1)
+        assert g._values().shape[1:] == (6,)
+        assert set(g.coalesce().indices()[0].tolist()) <= {1, 5, 7, 30}
+    if density == 1.0:
+        assert torch.equal(g.to_dense(), raw)
+    with opt.skip_synchronize():
+        opt.step()

@@ -1130,12 +1130,21 @@ class Engine:
                 flat = dense.reshape(-1)
                 flat[lo:hi] = 0
                 flat[lo + sub_idx] = sub_val.to(p.dtype)
-                p.grad = dense.to_sparse()
+                p.grad = self._sparse_again(dense)
                 continue
             seg = (p.detach() if write == "delta" else p.grad).view(-1)[lo:hi]
             if not zeroed:
                 stream.zero_(seg)
             ops.set_at(seg, sub_idx, sub_val)
+
+    def _sparse_again(self, dense):
+        """A sparse gradient handed back in the layout Horovod's optimizer gives it: with
+        ``sparse_as_dense`` the dense result made sparse entry by entry (Horovod's
+        ``to_sparse()``), otherwise by rows (one sparse dimension, values of shape
+        ``[rows, ...]``), as Horovod's sparse allgather returns an embedding's gradient."""
+        if self.config.sparse_as_dense or dense.dim() < 2:
+            return dense.to_sparse()
+        return dense.to_sparse(sparse_dim=1)
 
     @staticmethod
     def _groups(b, ops, values) -> bool:
@@ -1155,7 +1164,7 @@ class Engine:
             if id(p) in sparse_ids:
                 dense = p.grad.to_dense() if p.grad.is_sparse else p.grad
                 dense.reshape(-1)[lo:hi] = seg
-                p.grad = dense.to_sparse()
+                p.grad = self._sparse_again(dense)
             else:
                 if not p.grad.is_contiguous():
                     p.grad = p.grad.contiguous()
