@@ -73,7 +73,19 @@ def runs(args):
                 ("warmup-update", ["--density-warmup-steps", warm, "--exchange", "update"]),
                 # the same with one global Top-K (the LSTM's gap narrowed with it)
                 ("warmup-update-global", ["--density-warmup-steps", warm, "--exchange",
-                                          "update", "--scope", "model"]))},
+                                          "update", "--scope", "model"]),
+                # the uplink/downlink density split at 4 ranks, where the aggregate holds up
+                # to 4 k entries for the downlink's k (with the allgather the downlink
+                # selection sends no bytes): no downlink selection, or one of twice the
+                # uplink's density
+                ("warmup-update-unidirectional", ["--density-warmup-steps", warm,
+                                                  "--exchange", "update",
+                                                  "--no-bidirectional"]),
+                ("warmup-update-down2%", ["--density-warmup-steps", warm, "--exchange",
+                                          "update", "--downlink-density", "0.02"]),
+                # the downlink selection named, since the CLI drops it from 3 ranks
+                ("warmup-update-bidirectional", ["--density-warmup-steps", warm,
+                                                 "--exchange", "update", "--bidirectional"]))},
         # the training CLI's SGD default (exchanged updates, the density warm-up) under its
         # constant rate
         "fashion/topk-1%-warmup-update": fm + ["--density", "0.01", "--cost-model", "off",

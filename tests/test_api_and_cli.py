@@ -206,8 +206,8 @@ def test_training_cli_transformer_adamw_update_exchange(tmp_path, mpi_available)
     ("adamw", "auto", {}, ("auto", False, 30)),  # the study's best setting, 10% of 300 steps
     ("adamw", "update", {}, ("update", False, 30)),
     ("adamw", "gradient", {}, ("gradient", True, 0)),  # gradients: the library's defaults
-    ("sgd", "auto", {}, ("update", True, 30)),  # updates, downlink kept, the warm-up
-    ("sgd", "update", {}, ("update", True, 30)),
+    ("sgd", "auto", {}, ("update", False, 30)),  # updates, no downlink selection, the warm-up
+    ("sgd", "update", {}, ("update", False, 30)),
     ("sgd", "gradient", {}, ("gradient", True, 0)),
     # SGD with a gradient lever keeps gradients
     ("sgd", "auto", {"momentum_correction": True}, ("gradient", True, 0)),
@@ -215,6 +215,7 @@ def test_training_cli_transformer_adamw_update_exchange(tmp_path, mpi_available)
     ("adamw", "auto", {"bidirectional": True, "density_warmup_steps": 0}, ("auto", True, 0)),
     ("adamw", "auto", {"density_warmup_steps": 7}, ("auto", False, 7)),
     ("sgd", "auto", {"bidirectional": False, "density_warmup_steps": 0}, ("update", False, 0)),
+    ("sgd", "auto", {"bidirectional": True}, ("update", True, 30)),
 ])
 def test_cli_exchange_defaults(base, exchange, given, want):
     from hvd_sparse.train.__main__ import exchange_defaults, parse_args
