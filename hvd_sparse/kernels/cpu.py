@@ -397,8 +397,9 @@ if HAVE_NUMBA:
         ranks = starts.size - 1
         one = np.float32(1.0)
         m = starts[1] - starts[0]
-        src_v = vals[:m] * scale  # rank 0's terms, as the first scatter leaves them
-        if ranks > 1:
+        if ranks == 1:
+            src_v = vals[:m] * scale  # rank 0's terms, as the first scatter leaves them
+        else:
             buf_i = np.empty((2, idx.size), dtype=np.int64)
             buf_v = np.empty((2, idx.size), dtype=np.float32)
             m = _merge_two(idx[:starts[1]], vals[:starts[1]], scale,
