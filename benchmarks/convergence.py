@@ -124,6 +124,9 @@ def levers(steps):
         "topk1%-update-smalldense": ["--density", "0.01", *update, *small],
         "topk1%-grad-momcorr-smalldense": ["--density", "0.01", *grad, "--momentum-correction",
                                            *small],
+        # and under the training CLI's SGD default (updates, no downlink selection, warm-up)
+        "topk1%-update-unidirectional-warmup-smalldense": ["--density", "0.01", *update,
+                                                           "--no-bidirectional", *warm, *small],
         # the CLI's defaults for adaptive optimizers at 0.1%, with the warm-up at 10% and at 5%
         # of the run (the budget at 0.1% is 3% of dense's bytes)
         "topk0.1%-update-unidirectional-warmup": ["--density", "0.001", *update,

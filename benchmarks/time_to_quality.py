@@ -11,8 +11,8 @@ others' records; ``--sparse-steps`` then sets their length); the time counted is
 bytes are those each rank sent. A run "reaches" dense's final loss at the first evaluation at or
 below it. Workloads and settings are the convergence study's best per optimizer
 (``benchmarks/convergence.py``): the character Transformer with AdamW, updates exchanged (the
-default for adaptive optimizers), and the character LSTM with SGD, gradients (the default) and
-with DGC's momentum correction.
+default for adaptive optimizers), and the character LSTM with SGD, gradients (the library's
+default), with DGC's momentum correction, and with the training CLI's SGD default.
 
 Writes ``benchmarks/results/time_to_quality.json`` (every evaluation, machine, rate) and
 ``time_to_quality.png`` (validation loss against training time and against bytes, dense's final
@@ -48,7 +48,12 @@ def settings(workload, steps):
     return {"dense": ["--optimizer", "dense"],
             "topk1%-grad": ["--density", "0.01", "--exchange", "gradient"],
             "topk1%-grad-momcorr": ["--density", "0.01", "--exchange", "gradient",
-                                    "--momentum-correction"]}
+                                    "--momentum-correction"],
+            # the training CLI's SGD default since the sixteenth session (each rank's update,
+            # no downlink selection, DGC's density warm-up over the first 10% of the run)
+            "topk1%-update-unidirectional-warmup": [
+                "--density", "0.01", "--exchange", "update", "--no-bidirectional",
+                "--density-warmup-steps", str(max(1, steps // 10))]}
 
 
 def reached(records, target):
