@@ -25,7 +25,9 @@ Exchanged updates (``--exchanges update``, the default for adaptive optimizers):
 first rank count, timed over ``step()`` (the wrapped SGD's own step, timed alone on the same
 gradients in the same run, is subtracted); its budget is 24 bytes per entry (the finite check
 of the gradient 4, the uplink scan of params, anchor and residual writing acc 16 and the
-parameters back at the anchor 4; 28 while that reset was a copy after the exchange).
+parameters back at the anchor 4; 28 while that reset was a copy after the exchange);
+``update-unidirectional`` is the same without the downlink selection (the training CLI's
+default wherever updates are exchanged), where the payloads go straight into the anchor.
 Results: benchmarks/results/engine_<device>.json and a stacked-bar PNG of the stages.
 """
 from __future__ import annotations
@@ -156,11 +158,13 @@ def build(n, ranks, density, device, steps, sparsifier, pieces=1, exchange="grad
     extra = {"threshold": calibrated_threshold(grads, density, steps)} \
         if sparsifier == "threshold" else \
         {"total_steps": steps + 2} if sparsifier == "adaptive" else {}
-    lr = UPDATE_LR if exchange == "update" else 0.0
+    update = exchange.startswith("update")
+    lr = UPDATE_LR if update else 0.0
     opt = hvd_sparse.DistributedOptimizer(
         torch.optim.SGD(params, lr=lr), named_parameters=named, density=density,
         sparsifier=sparsifier, cost_model="off", collective="allgather", check_config=False,
-        transport=transport, scope="model", exchange=exchange, **extra)
+        transport=transport, scope="model", exchange="update" if update else exchange,
+        bidirectional=exchange != "update-unidirectional", **extra)
     (name, view), = opt.engine_state().items()
     k = max(1, int(density * n))
     transport.others[f"hvd_sparse.0.{name}"] = synthesise(
@@ -171,7 +175,7 @@ def build(n, ranks, density, device, steps, sparsifier, pieces=1, exchange="grad
 def bench(n, ranks, density, device, steps, sparsifier, pieces=1, exchange="gradient"):
     opt, p, grads = build(n, ranks, density, device, steps, sparsifier, pieces, exchange)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    update = exchange == "update"
+    update = exchange.startswith("update")
     run = opt.step if update else opt.synchronize
     times = []
     for step in range(steps + 2):
@@ -242,7 +246,8 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
-    labels = [f"{r['sparsifier']}" + (" updates" if r.get("exchange") == "update" else "")
+    labels = [f"{r['sparsifier']}" + {"update": " updates", "update-unidirectional":
+                                       " updates\nunidirectional"}.get(r.get("exchange"), "")
               + f"\n{r['n'] / 1e6:.1f}M P={r['ranks']}"
               + (f"\n{r['pieces']} params" if r.get("pieces", 1) > 1 else "") for r in rows]
     stacked_stages(ax, labels, [r["stage_s"] for r in rows])
@@ -259,6 +264,52 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def delta_paths(sizes, density, steps, rounds=6):
+    """Exchanged updates without the downlink selection: the payloads added straight into the
+    anchor (the default while they number at most 1/8 of the bucket) against the full-length
+    path (summed into a zeroed buffer, added to the anchor, copied to the parameters), on one
+    engine, in interleaved rounds of ``steps`` timed steps (the first step of each round is
+    untimed), so that the machine's drift hits both alike. Times include the wrapped SGD's
+    step."""
+    from hvd_sparse.engine import pipeline
+
+    rows = []
+    for n in sizes:
+        opt, p, grads = build(int(n), 2, density, "cpu", steps, "topk", 1,
+                              "update-unidirectional")
+        got = {"in_place": ([], []), "full_length": ([], [])}
+        step = 0
+        for _ in range(rounds):
+            for mode, share in (("in_place", pipeline.SPARSE_DELTA_SHARE),
+                                ("full_length", 10 ** 12)):
+                saved, pipeline.SPARSE_DELTA_SHARE = pipeline.SPARSE_DELTA_SHARE, share
+                for i in range(steps + 1):
+                    p.grad = grads[step % 3].clone()
+                    step += 1
+                    before = dict(opt.communication_stats()["totals"]["stage_seconds"])
+                    t = time.perf_counter()
+                    opt.step()
+                    dt = time.perf_counter() - t
+                    after = opt.communication_stats()["totals"]["stage_seconds"]
+                    if i:
+                        got[mode][0].append(dt)
+                        got[mode][1].append(sum(after[k] - before[k]
+                                                for k in ("aggregate", "write")))
+                pipeline.SPARSE_DELTA_SHARE = saved
+        row = {"n": int(n), "ranks": 2, "density": density, "rounds": rounds}
+        for mode, (step_s, stage_s) in got.items():
+            row[mode] = {"step_s_median": float(np.median(step_s)),
+                         "aggregate_and_write_s_median": float(np.median(stage_s)),
+                         "steps": len(step_s)}
+        rows.append(row)
+        print(f"n={int(n):>11,}: step {1e3 * row['in_place']['step_s_median']:.1f} ms in place "
+              f"against {1e3 * row['full_length']['step_s_median']:.1f} ms full length "
+              f"(aggregate and write {1e3 * row['in_place']['aggregate_and_write_s_median']:.1f}"
+              f" against {1e3 * row['full_length']['aggregate_and_write_s_median']:.1f} ms)",
+              flush=True)
+    save("engine_delta_paths_cpu", {"machine": machine(), "rows": rows})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="+", type=float, default=[11.4e6, 100e6])
@@ -269,15 +320,21 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--exchanges", nargs="+", default=["gradient", "update"],
+    ap.add_argument("--exchanges", nargs="+",
+                    default=["gradient", "update", "update-unidirectional"],
                     help="update: Top-K with exchanged weight changes, at the first rank count "
-                         "and one parameter")
+                         "and one parameter; update-unidirectional: the same without the "
+                         "downlink selection (the training CLI's default for updates)")
     ap.add_argument("--pieces", nargs="+", type=int, default=[1, 40],
                     help="parameters sharing the bucket; beyond 1, Top-K at the first rank "
                          "count only")
+    ap.add_argument("--delta-paths", action="store_true",
+                    help="only the A/B of the unidirectional update write (delta_paths)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu.warm_up()
+    if args.delta_paths:
+        return delta_paths(args.sizes, args.density, 4)
     # one untimed row first: the process's first large buffers pay their first touches (and
     # the core its clock ramp), which made whichever row came first 20-40% slower
     bench(int(min(args.sizes)), args.ranks[0], args.density, args.device, 3, "topk")
@@ -288,12 +345,12 @@ def main():
                                    for sp in args.sparsifiers]:
                 if (sp != "topk" and ranks != args.ranks[0]) \
                         or (pieces > 1 and (sp != "topk" or ranks != args.ranks[0])) \
-                        or (ex == "update" and (sp != "topk" or ranks != args.ranks[0]
+                        or (ex != "gradient" and (sp != "topk" or ranks != args.ranks[0]
                                                 or pieces > 1 or args.device != "cpu")):
                     continue
                 row = bench(int(n), ranks, args.density, args.device, args.steps, sp, pieces, ex)
                 rows.append(row)
-                print(f"{sp:9}{' updates' if ex == 'update' else ''} n={int(n):>11,} P={ranks} "
+                print(f"{sp:9}{'' if ex == 'gradient' else ' ' + ex} n={int(n):>11,} P={ranks} "
                       f"params={pieces}: "
                       f"engine {row['engine_s'] * 1e3:7.1f} ms"
                       f"  floor {row['floor_s'] * 1e3:6.1f} ms  ({row['over_floor']:.2f}x)  "

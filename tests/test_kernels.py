@@ -414,3 +414,32 @@ def test_support_sum_merged_equals_the_scatter(ranks, scale, monkeypatch):
     ref = reference.support_sum(payloads, scale, torch.float32, "cpu")
     assert torch.equal(merged.sort().values, ref[ref != 0].sort().values)
     assert fixed_point_sum(merged, square=True) == fixed_point_sum(ref, square=True)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="numba is not installed: the twin scatter is "
+                                                "the numba backend's")
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_scatter_add_twin_equals_an_add_then_a_copy(scale):
+    """Exchanged weight changes without the downlink selection: each payload is added into the
+    anchor and the new values are written to the parameters in one loop. Payloads share
+    positions (a later one adds onto the earlier one's result); the anchor and the twin get
+    the bits of torch's index_add followed by a gather-and-set, and the twin is untouched
+    elsewhere."""
+    n = 4000
+    g = torch.Generator().manual_seed(3)
+    anchor = torch.randn(n, generator=g)
+    twin = anchor.clone()
+    twin[::7] = 123.0  # positions never touched keep what they held
+    ref_anchor, ref_twin = anchor.clone(), twin.clone()
+    first = torch.randperm(n, generator=g)[:300]
+    second = torch.cat([first[:100], torch.randperm(n, generator=g)[:200]]).unique()
+    for idx in (first, second):
+        vals = torch.randn(idx.numel(), generator=g)
+        ref_anchor.index_add_(0, idx, vals * scale)
+        ref_twin[idx] = ref_anchor[idx]
+        cpu.scatter_add_twin(anchor, twin, idx, vals, scale)
+    assert torch.equal(anchor, ref_anchor)
+    assert torch.equal(twin, ref_twin)
+    untouched = torch.ones(n, dtype=torch.bool)
+    untouched[torch.cat([first, second])] = False
+    assert torch.all(twin[untouched & (torch.arange(n) % 7 == 0)] == 123.0)

@@ -393,3 +393,43 @@ def test_a_method_giving_up_after_its_scan_sends_the_same_bits(with_a_pass, one_
     ref_model, ref_opt, _ = with_a_pass(5, **kw)
     assert opt.communication_stats()["totals"]["weight_change_reads"]["in_scan"] == 5
     assert _same(_bits(model, opt), _bits(ref_model, ref_opt))
+
+
+@pytest.mark.parametrize("scope", ["tensor", "model"])
+def test_unidirectional_weight_changes_land_in_the_anchor(scope, with_a_pass, one_thread,
+                                                          monkeypatch):
+    """Exchanged updates without the downlink selection: each payload (the mirrored peer's
+    shares every position with this rank's) is added into the anchor where it lands, O(P k),
+    and the parameters move at those positions only: one loop per payload for a
+    one-parameter bucket, an O(k) write per piece for several, or one copy from the anchor
+    where the scan did not put them back at it. The three give the same bits, the parameters
+    stand exactly at the new anchor, and they match the full-length path (the payloads summed
+    in a zeroed buffer, then added to the anchor) up to the order of the float32 additions."""
+    from hvd_sparse.engine import pipeline
+    from hvd_sparse.optimizer import STATE_KEY
+
+    twins, full_writes = [], []
+    real_twin, real_full = cpu.scatter_add_twin, pipeline.Engine._write_delta
+    monkeypatch.setattr(cpu, "scatter_add_twin",
+                        lambda *a: (twins.append(1), real_twin(*a))[1])
+    monkeypatch.setattr(pipeline.Engine, "_write_delta",
+                        lambda self, b, out: (full_writes.append(b.numel),
+                                              real_full(self, b, out))[1])
+    kw = dict(exchange="update", bidirectional=False, scope=scope, hidden=3000)
+    model, opt, _ = _run(4, **kw)
+    assert opt.communication_stats()["totals"]["weight_change_reads"]["in_scan"] > 0
+    assert (len(twins) > 0) == (scope == "tensor")
+    assert all(n < 100 for n in full_writes)  # only the 9 biases of the last layer: 2 x 1
+    # received entries are too many for them (SPARSE_DELTA_SHARE)
+    copied_model, copied_opt, _ = with_a_pass(4, **kw)  # acc by a pass: not at the anchor
+    assert _same(_bits(model, opt), _bits(copied_model, copied_opt))
+    anchors = torch.cat(list(opt.state_dict()[STATE_KEY]["anchors"].values()))
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.equal(params.sort().values, anchors.sort().values)
+    monkeypatch.setattr(pipeline, "SPARSE_DELTA_SHARE", 10 ** 12)  # always the full length
+    full_writes.clear()
+    full_model, _, _ = _run(4, **kw)
+    assert max(full_writes) >= 12000
+    for p, q in zip(model.parameters(), full_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(p, torch.zeros_like(p))

@@ -43,6 +43,10 @@ from ..feedback import Residual
 from .state import BucketState, InFlight
 
 STATE_FORMAT = 1
+#: received weight changes go straight into the anchor while they number at most 1/8 of the
+#: bucket: a random touch costs about as much as 20-30 sequential entries, and the full-length
+#: path makes four passes
+SPARSE_DELTA_SHARE = 8
 
 
 def _itemsize(dtype) -> int:
@@ -800,12 +804,14 @@ class Engine:
                     watch = st.watch.begin(target, fresh)
             elif job.zeroed:  # p.grad, zeroed by the uplink commit: the sum lands there
                 target = b.params[0].grad.view(-1)
+            elif write == "delta" and self._delta_in_place(b, payloads):
+                target = None  # the payloads go straight into the anchor, below
             else:
                 target = st.flat_buffer(b.numel, st.downlink.dtype, device)
                 stream.zero_(target)
-            ops = kernels.ops_for(target)
-            for p in payloads:  # rank order; indices unique within a payload
-                if p.indices.numel() and watch is not None:
+            ops = kernels.ops_for(target if target is not None else st.anchor)
+            for p in payloads if target is not None else ():  # rank order; indices unique
+                if p.indices.numel() and watch is not None:  # within a payload
                     watch.scatter(ops, target, p.indices, p.values, scale)
                 elif p.indices.numel():
                     ops.scatter_add(target, p.indices, p.values, scale)
@@ -830,6 +836,10 @@ class Engine:
             with self.clock.stage("write", b.index):
                 self._write_sparse(b, idx, values, job.sparse_grads, write, ops, job.zeroed)
             down_selected = idx.numel()
+        elif target is None:
+            with self.clock.stage("write", b.index):
+                self._write_delta_payloads(b, payloads, scale, ops)
+            down_selected = None
         else:
             with self.clock.stage("write", b.index):
                 self._write_dense(b, target, job.sparse_grads, write)
@@ -1278,6 +1288,41 @@ class Engine:
                 if p.grad is not None:
                     p.grad = torch.zeros_like(p) if p.grad.is_sparse else p.grad.zero_()
         return False
+
+    def _delta_in_place(self, b, payloads) -> bool:
+        """Without the downlink selection, are the received weight changes added straight into
+        the anchor (O(P k) touches) rather than summed into a zeroed full-length buffer that is
+        then added to it (four passes over the bucket)? Where they are few against its length
+        and the anchor is the accumulation dtype's."""
+        anchor = self.state[b.index].anchor
+        received = sum(p.indices.numel() for p in payloads)
+        return anchor is not None and anchor.dtype == self.state[b.index].downlink.dtype \
+            and received * SPARSE_DELTA_SHARE <= b.numel
+
+    def _write_delta_payloads(self, b, payloads, scale, ops):
+        """``anchor += scale * payload`` for each payload in rank order (every rank adds the
+        same values in the same order: the replicas stay identical), then the parameters:
+        where the uplink scan put them back at the old anchor only the touched entries move
+        (O(P k)), else they are copied from the anchor once."""
+        anchor = self.state[b.index].anchor
+        at_anchor = b.index in self._params_at_anchor
+        twin = None
+        if at_anchor and len(b.params) == 1 and b.params[0].is_contiguous():
+            lo, hi = b.slices[0]
+            twin = b.params[0].detach().view(-1)[lo:hi]
+        for p in payloads:
+            if not p.indices.numel():
+                continue
+            values = p.values.to(anchor.dtype)
+            if twin is not None:
+                cpu.scatter_add_twin(anchor, twin, p.indices, values, scale)
+            elif at_anchor:
+                self._write_sparse(b, p.indices, values * scale, frozenset(), "delta", ops,
+                                   True)
+            else:
+                ops.scatter_add(anchor, p.indices, values, scale)
+        if not at_anchor:
+            self._restore_anchor(b)
 
     def _write_delta(self, b, out):
         self.state[b.index].anchor.add_(out)  # in place: the anchor is this engine's own

@@ -432,6 +432,16 @@ if HAVE_NUMBA:
         return bad
 
     @njit(cache=True)
+    def _scatter_add_twin(target, twin, idx, vals, scale):
+        """``_scatter_add`` that also stores each new value in ``twin`` at the same position
+        (one loop, no list of the new values in between)."""
+        for j in range(idx.size):
+            i = idx[j]
+            x = target[i] + vals[j] * scale
+            target[i] = x
+            twin[i] = x
+
+    @njit(cache=True)
     def _collect(idx, val, bound, bound_neg, mark, out_idx, out_val, p):
         """Append the entries of one (index, value) list whose index is not yet marked (lists
         come newest first, so the current value wins), marking it; only ``v >= bound`` and
@@ -925,6 +935,19 @@ def scatter_add(target, idx, vals, scale: float, read: bool = False):
         return _scatter_add(*args)
     out = np.empty(idx.numel(), dtype=np.float32)
     return out, _scatter_add_read(*args, out)
+
+
+def scatter_add_twin(target, twin, idx, vals, scale: float) -> None:
+    """``target[idx] += vals * scale`` and ``twin[idx] = target[idx]`` (indices unique): a
+    weight change added to the anchor and written to the parameters, which stood at the anchor
+    at those positions."""
+    if vals.dtype != torch.float32 or target.dtype != torch.float32 \
+            or twin.dtype != torch.float32 or not available():
+        reference.scatter_add(target, idx, vals, scale)
+        reference.set_at(twin, idx, target[idx])
+        return
+    _scatter_add_twin(_np(target), _np(twin), idx.numpy(), vals.contiguous().numpy(),
+                      np.float32(scale))
 
 
 #: up to this many payloads the support is merged (O(P) per position); beyond, scattered
