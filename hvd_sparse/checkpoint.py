@@ -21,14 +21,14 @@ regions put back together in rank order, and what every rank had not sent yet (i
 residual) is added to it as it would have entered the aggregate (divided by the old rank count
 under ``op=Average``), so no gradient mass is lost; the new job cuts its own regions from it
 on its first step. Everything else (counters, sparsifier state, the wrapped optimizer's state)
-is rank 0's. Per-rank momentum-correction velocities cannot be combined and start from zero;
-with ``bidirectional=False`` there is no downlink residual to carry the unsent gradients, which
-are then dropped with a warning.
+is rank 0's. Per-rank momentum-correction velocities cannot be combined and start from zero.
+With ``bidirectional=False`` the engine keeps no downlink residual of its own: it adds the
+loaded one whole to its first aggregate after loading (an owner its region of it), so the
+unsent mass arrives in one step instead of being dropped.
 """
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import List
 
 import torch
@@ -70,14 +70,13 @@ def merge_rank_states(states: List[dict]) -> dict:
     out = copy.copy(first)
     merged = copy.deepcopy(extra0)
     scale = 1.0 / size if extra0.get("average", True) else 1.0
-    dropped = []
     for name, entry in merged["buckets"].items():
         pieces = [by_rank[r][1]["buckets"][name] for r in range(size)]
         full = _whole_downlink(name, entry["numel"], pieces)
         uplinks = [p["uplink"] for p in pieces if p.get("uplink") is not None]
-        if uplinks and not extra0.get("bidirectional", True):
-            dropped.append(name)
-        elif uplinks:
+        # the ranks' unsent mass, as the aggregate would carry it: the downlink residual
+        # (without the downlink selection the engine adds it whole to its next aggregate)
+        if uplinks:
             unsent = torch.zeros(entry["numel"], dtype=uplinks[0].dtype)
             for u in uplinks:  # rank order
                 unsent += u.detach().cpu().reshape(-1)
@@ -86,11 +85,6 @@ def merge_rank_states(states: List[dict]) -> dict:
         entry["shard"] = None
         entry["uplink"] = None
         entry["velocity"] = None
-    if dropped:
-        warnings.warn(
-            f"merge_rank_states: with bidirectional=False there is no downlink residual to "
-            f"carry the ranks' unsent gradients of {', '.join(dropped)}; they are dropped "
-            "(resume with the same rank count from each rank's own state dict to keep them)")
     merged["merged"] = True
     merged["rank"] = -1
     out[STATE_KEY] = merged

@@ -120,13 +120,17 @@ def test_regions_rebalance_to_the_load(sharded, method):
         assert all(a <= b for a, b in zip(bounds, bounds[1:]))
 
 
-@pytest.mark.parametrize("old,new", [(3, 2), (2, 4)])
-def test_resume_on_another_rank_count_from_merged_states(mpi_available, tmp_path, old, new):
+@pytest.mark.parametrize("old,new,bidirectional", [(3, 2, True), (2, 4, True), (3, 2, False)])
+def test_resume_on_another_rank_count_from_merged_states(mpi_available, tmp_path, old, new,
+                                                         bidirectional):
     """Per-rank state dicts of a sharded job, merged with merge_rank_states and loaded on
     another rank count: the merged downlink residual is exactly the regions in rank order
     plus every rank's unsent gradient averaged (no mass lost, no warning), the new job cuts
-    its own regions from it and trains on with identical replicas."""
-    env = {"HVD_SPARSE_RESHARD_DIR": str(tmp_path)}
+    its own regions from it and trains on with identical replicas. Without the downlink
+    selection there are no regions: the merged residual is the unsent gradients alone, and
+    each owner adds its region of it to its first sum (none of it is left after)."""
+    env = {"HVD_SPARSE_RESHARD_DIR": str(tmp_path),
+           "HVD_SPARSE_RESHARD_UNIDIRECTIONAL": "0" if bidirectional else "1"}
     for np_, name in ((old, "save"), (new, "load")):
         out = tmp_path / name
         out.mkdir()

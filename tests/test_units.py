@@ -1,4 +1,6 @@
 """Single-process properties of the building blocks, each against a numpy reference."""
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -386,15 +388,18 @@ def test_merge_rank_states_refuses_what_it_cannot_merge():
     assert merged["hvd_sparse"]["merged"] and merged["hvd_sparse"]["rank"] == -1
     with pytest.raises(ValueError, match="merged already"):
         hvd_sparse.merge_rank_states([merged])
-    # bidirectional=False: no downlink residual to carry the unsent gradients: said, not hidden
+    # bidirectional=False: the unsent gradients are carried the same way (the engine adds them
+    # to its first aggregate after loading), with no warning
     uni = [state(r, 2, bidirectional=False, average=True) for r in range(2)]
     for r, s in enumerate(uni):
         s["hvd_sparse"]["buckets"] = {"w": {"numel": 4, "downlink": None, "shard": None,
                                             "uplink": torch.full((4,), float(r + 1)),
                                             "velocity": None}}
-    with pytest.warns(UserWarning, match="dropped"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         merged = hvd_sparse.merge_rank_states(uni)
     assert merged["hvd_sparse"]["buckets"]["w"]["uplink"] is None
+    assert torch.equal(merged["hvd_sparse"]["buckets"]["w"]["downlink"], torch.full((4,), 1.5))
     # bidirectional: the uplinks are folded in, averaged, in the residual's own dtype
     bi = [state(r, 2, bidirectional=True, average=True) for r in range(2)]
     for r, s in enumerate(bi):
@@ -488,3 +493,50 @@ def test_buckets_start_as_they_complete_or_in_the_launch_order(ordered):
         else:  # as autograd finished them: the last layer first
             assert set(transport.started) == set(launch_order)
             assert transport.started.index("1.weight") < transport.started.index("0.weight")
+
+
+@pytest.mark.parametrize("exchange", ["gradient", "update"])
+def test_unidirectional_engine_applies_a_merged_downlink_residual_once(exchange):
+    """A job without the downlink selection, resumed from ``merge_rank_states`` on another rank
+    count: the ranks' unsent mass, carried as a downlink residual, joins the first aggregate
+    whole (with zero gradients the parameters move by exactly that much) and never again."""
+    import copy
+
+    from hvd_sparse.optimizer import STATE_KEY
+
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Linear(50, 40, bias=False)
+        opt = hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=1.0), named_parameters=m.named_parameters(),
+            density=0.05, bidirectional=False, exchange=exchange, cost_model="off",
+            min_sparse_numel=0, transport="local", check_config=False)
+        return m, opt
+
+    def zero_step(m, opt):
+        opt.zero_grad()
+        (0.0 * m(torch.ones(1, 50)).sum()).backward()
+        opt.step()
+
+    m, opt = build()
+    zero_step(m, opt)
+    sd = opt.state_dict()
+    (name,) = sd[STATE_KEY]["buckets"]
+    states = []
+    for r in range(2):  # the old job: two ranks, each with unsent mass of its own
+        s = copy.deepcopy(sd)
+        s[STATE_KEY].update(rank=r, world_size=2)
+        s[STATE_KEY]["buckets"][name]["uplink"] = torch.linspace(-1, 1, 2000) * (r + 1)
+        states.append(s)
+    merged = hvd_sparse.merge_rank_states(states)
+    pending = torch.linspace(-1, 1, 2000) * 1.5  # (1 + 2) / 2 ranks, op=Average
+    m2, opt2 = build()
+    opt2.load_state_dict(merged)
+    before = m2.weight.detach().clone().reshape(-1)
+    zero_step(m2, opt2)
+    moved = m2.weight.detach().reshape(-1) - before  # a weight change, or (SGD, lr 1)
+    torch.testing.assert_close(moved, pending if exchange == "update" else -pending,  # minus
+                               rtol=0, atol=1e-6)  # the averaged gradient
+    after = m2.weight.detach().clone()
+    zero_step(m2, opt2)
+    assert torch.equal(m2.weight.detach(), after)

@@ -815,6 +815,8 @@ class Engine:
                     watch.scatter(ops, target, p.indices, p.values, scale)
                 elif p.indices.numel():
                     ops.scatter_add(target, p.indices, p.values, scale)
+            if not c.bidirectional and st.downlink.buffer is not None:
+                target.add_(self._take_pending(b, 0, b.numel, device))
         if c.bidirectional:
             residual = target
             _, down_density = self.densities()
@@ -980,6 +982,9 @@ class Engine:
                                                              device=device)
                 else:
                     stream.zero_(region)
+                if st.downlink.buffer is not None:  # every owner takes its region, then none
+                    region.add_(self._take_pending(b, lo, hi, device))
+                    st.downlink.buffer = None
             ops = kernels.ops_for(region)
             for p in payloads:  # rank order; indices unique within a payload
                 if p.indices.numel():
@@ -1294,10 +1299,21 @@ class Engine:
         the anchor (O(P k) touches) rather than summed into a zeroed full-length buffer that is
         then added to it (four passes over the bucket)? Where they are few against its length
         and the anchor is the accumulation dtype's."""
-        anchor = self.state[b.index].anchor
+        st = self.state[b.index]
         received = sum(p.indices.numel() for p in payloads)
-        return anchor is not None and anchor.dtype == self.state[b.index].downlink.dtype \
-            and received * SPARSE_DELTA_SHARE <= b.numel
+        return st.anchor is not None and st.anchor.dtype == st.downlink.dtype \
+            and st.downlink.buffer is None and received * SPARSE_DELTA_SHARE <= b.numel
+
+    def _take_pending(self, b, lo, hi, device):
+        """Without the downlink selection, a downlink residual this engine holds (loaded from a
+        checkpoint that ``merge_rank_states`` made, or kept from a run with the selection; the
+        same on every rank) joins the next aggregate whole, once: positions ``lo:hi`` of it, the
+        whole bucket or an owner's region; no mass is lost."""
+        st = self.state[b.index]
+        pending = st.downlink.buffer[lo:hi].to(device=device, dtype=st.downlink.dtype)
+        if lo == 0 and hi == b.numel:
+            st.downlink.buffer = None
+        return pending
 
     def _write_delta_payloads(self, b, payloads, scale, ops):
         """``anchor += scale * payload`` for each payload in rank order (every rank adds the

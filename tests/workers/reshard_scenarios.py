@@ -13,11 +13,17 @@ import scenario_runner as runner  # noqa: E402
 import sharded_scenarios as base  # noqa: E402
 
 DIR = os.environ.get("HVD_SPARSE_RESHARD_DIR", "")
+#: without the downlink selection: no regions kept; the merged residual joins the owners' sums
+UNI = os.environ.get("HVD_SPARSE_RESHARD_UNIDIRECTIONAL") == "1"
+
+
+def make(m):
+    return base.make(m, bidirectional=not UNI)
 
 
 def save(res):
     m = base.model()
-    opt = base.make(m)
+    opt = make(m)
     base.train(m, opt, 10)
     torch.save({"model": m.state_dict(), "opt": opt.state_dict()},
                os.path.join(DIR, f"state{hvd.rank()}.pt"))
@@ -35,12 +41,12 @@ def load(res):
     want = {}
     for name, entry in merged["hvd_sparse"]["buckets"].items():
         pieces = sorted((s["opt"]["hvd_sparse"] for s in states), key=lambda e: e["rank"])
-        regions = torch.cat([p["buckets"][name]["shard"]["residual"] for p in pieces])
         unsent = sum(p["buckets"][name]["uplink"] for p in pieces) * (1.0 / len(pieces))
-        want[name] = regions + unsent
+        want[name] = unsent if UNI else unsent + torch.cat(
+            [p["buckets"][name]["shard"]["residual"] for p in pieces])
     m = base.model(seed=5)
     m.load_state_dict(states[0]["model"])
-    opt = base.make(m)
+    opt = make(m)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt.load_state_dict(merged)
@@ -52,11 +58,13 @@ def load(res):
     # gathering the regions before any step (as a switch to allgather would) finds the
     # whole residual again: each rank's region is cut from it first, not taken as zeros
     engine = opt._hs_engine
-    res["gathered_before_step_exact"] = all(
+    res["gathered_before_step_exact"] = UNI or all(
         torch.equal(engine._gather_regions(b), want[b.name]) for b in engine.buckets if b.sparse)
     base.train(m, opt, 6, start=10)
     after = opt.engine_state()
-    res["cut_into_regions"] = all(v.shard is not None and v.downlink is None
+    # without the downlink selection no region is kept: each owner took its region of the
+    # merged residual into its first sum, and nothing of it is left
+    res["cut_into_regions"] = all((UNI or v.shard is not None) and v.downlink is None
                                   for v in after.values() if v.sparse)
     res["replicas_equal"] = runner.same_everywhere(hvd, base.params(m))
     res["finite"] = bool(torch.isfinite(base.params(m)).all())
