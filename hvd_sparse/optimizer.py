@@ -36,9 +36,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- set-up
     def _hs_init(self, named_parameters, engine: Engine, exchange_auto: bool = False,
-                 process_set=None):
+                 process_set=None, bidirectional_auto: bool = False):
         self._hs_engine = engine
         self._hs_exchange_auto = exchange_auto  # the exchange was the library's choice
+        self._hs_bidirectional_auto = bidirectional_auto  # and so was the downlink selection
         self._hs_process_set = process_set
         # p.grad as the last exchange wrote it: (parameter, weak reference, version)
         self._hs_written = None
@@ -320,7 +321,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError("backward_passes_per_step > 1 cannot be combined with "
                                  "exchanged weight updates (exchange='update' or local_steps "
                                  "> 1) once they are exchanged; wrap with exchange='gradient'")
-            c = dataclasses.replace(c, exchange="gradient")
+            c = dataclasses.replace(c, exchange="gradient", bidirectional=True
+                                    if self._hs_bidirectional_auto else c.bidirectional)
         self.backward_passes_per_step = passes
         engine.config = dataclasses.replace(c, backward_passes_per_step=passes)
         for p in self._allreduce_delay:
@@ -342,6 +344,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         out["totals"]["weight_change_reads"] = dict(engine.weight_change_reads)
         out["cost_model"] = engine.cost_report()
         out["exchange"] = "update" if engine.config.exchanges_updates else "gradient"
+        out["bidirectional"] = engine.config.bidirectional
         return out
 
     def engine_state(self):
@@ -401,7 +404,7 @@ def _named_parameters(optimizer, named_parameters):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
-                         *, density=0.01, bidirectional=True, downlink_density=None,
+                         *, density=0.01, bidirectional=None, downlink_density=None,
                          sparsifier="topk", threshold=None, total_steps=None, min_density=None,
                          max_density=None, sparsifier_options=None, index_coding=None,
                          momentum_correction=0.0, local_clip_norm=None, density_warmup_steps=0,
@@ -425,7 +428,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     does with sparse gradients, ``process_set`` restricts the exchange.
 
     Sparse options: ``density`` (uplink fraction kept per bucket), ``bidirectional`` (re-sparsify
-    the aggregate on every rank, with a replicated residual), ``downlink_density`` (``None``: same
+    the aggregate on every rank, with a replicated residual; ``None``, the default: where
+    gradients are exchanged, not where each step's weight update is, ``exchange="update"``,
+    whose runs ended better without it: benchmarks/convergence.py, README), ``downlink_density`` (``None``: same
     as ``density``), ``sparsifier`` (name or :class:`hvd_sparse.Sparsifier`), ``scope``
     (``"tensor"``, ``"model"`` or ``"bucket"`` with ``bucket_cap_mb``), ``min_sparse_numel``
     (smaller buckets go dense: see ``deterministic_dense``), ``max_bucket_numel`` (larger buckets, and
@@ -516,6 +521,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     exchange_auto = exchange == "auto"
     exchange = resolve_exchange(exchange, optimizer, backward_passes_per_step, local_steps,
                                 density, op)
+    bidirectional_auto = bidirectional is None
+    if bidirectional_auto:
+        bidirectional = exchange != "update"
     config = build_config(
         op=op, gradient_predivide_factor=gradient_predivide_factor,
         backward_passes_per_step=backward_passes_per_step, compression=compression,
@@ -588,6 +596,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     wrapped.__dict__.update(optimizer.__dict__)  # same param groups, state and hooks
     _rebind_instance_step(wrapped, optimizer)
     wrapped._hs_init(named, Engine(config, plan, transport), exchange_auto=exchange_auto,
+                     bidirectional_auto=bidirectional_auto,
                      process_set=process_set)
     return wrapped
 
