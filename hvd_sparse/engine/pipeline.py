@@ -816,7 +816,8 @@ class Engine:
                 elif p.indices.numel():
                     ops.scatter_add(target, p.indices, p.values, scale)
             if not c.bidirectional and st.downlink.buffer is not None:
-                target.add_(self._take_pending(b, 0, b.numel, device))
+                target.add_(self._pending(b, 0, b.numel, device))
+                st.downlink.buffer = None
         if c.bidirectional:
             residual = target
             _, down_density = self.densities()
@@ -983,7 +984,7 @@ class Engine:
                 else:
                     stream.zero_(region)
                 if st.downlink.buffer is not None:  # every owner takes its region, then none
-                    region.add_(self._take_pending(b, lo, hi, device))
+                    region.add_(self._pending(b, lo, hi, device))
                     st.downlink.buffer = None
             ops = kernels.ops_for(region)
             for p in payloads:  # rank order; indices unique within a payload
@@ -1304,16 +1305,13 @@ class Engine:
         return st.anchor is not None and st.anchor.dtype == st.downlink.dtype \
             and st.downlink.buffer is None and received * SPARSE_DELTA_SHARE <= b.numel
 
-    def _take_pending(self, b, lo, hi, device):
+    def _pending(self, b, lo, hi, device):
         """Without the downlink selection, a downlink residual this engine holds (loaded from a
         checkpoint that ``merge_rank_states`` made, or kept from a run with the selection; the
-        same on every rank) joins the next aggregate whole, once: positions ``lo:hi`` of it, the
-        whole bucket or an owner's region; no mass is lost."""
+        same on every rank) joins the next aggregate whole, once (the caller drops it): its
+        positions ``lo:hi``, the whole bucket or an owner's region; no mass is lost."""
         st = self.state[b.index]
-        pending = st.downlink.buffer[lo:hi].to(device=device, dtype=st.downlink.dtype)
-        if lo == 0 and hi == b.numel:
-            st.downlink.buffer = None
-        return pending
+        return st.downlink.buffer[lo:hi].to(device=device, dtype=st.downlink.dtype)
 
     def _write_delta_payloads(self, b, payloads, scale, ops):
         """``anchor += scale * payload`` for each payload in rank order (every rank adds the
