@@ -36,6 +36,24 @@ import torch
 STATE_KEY = "hvd_sparse"
 
 
+def loadable(obj):
+    """``obj`` with numpy scalars and arrays made Python numbers and tensors (nested dicts,
+    lists and tuples): what ``torch.load`` reads with its default ``weights_only=True``
+    (torch >= 2.6), so a checkpoint holding this state loads as a plain optimizer's does."""
+    if isinstance(obj, dict):
+        return {k: loadable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [loadable(v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if type(obj).__module__ == "numpy":
+        import numpy as np
+
+        if isinstance(obj, np.ndarray):
+            return torch.from_numpy(obj.copy())
+        return obj.item()
+    return obj
+
+
 class ShardedStateWarning(UserWarning):
     """A state dict that holds this rank's regions of a sharded exchange only."""
 

@@ -268,6 +268,18 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if closure is not None and self._should_synchronize and not self._hs_passthrough \
+                and not isinstance(self, torch.optim.LBFGS):
+            # the closure's backward is what is exchanged: it runs first, then the exchange and
+            # the wrapped step (handed to the wrapped step, as Horovod does, it would recompute
+            # this rank's own gradients after the exchange and the replicas would drift)
+            with torch.enable_grad():
+                loss = closure()
+            self._hs_step(None)
+            return loss
+        return self._hs_step(closure)
+
+    def _hs_step(self, closure):
         engine = self._hs_engine
         if engine.config.exchanges_updates and not self._hs_passthrough:
             if self._should_synchronize and self._synchronized:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import torch
 
+#: dtypes Horovod 0.28's collectives refuse: reduced in float32, gathered as bytes
+WIDENED = (torch.bfloat16,)
+
 
 class Transport:
     """Interface of a collective back end.
@@ -69,10 +72,19 @@ class HorovodTransport(Transport):
         return self.process_set.included()
 
     def allgather_async(self, payload, name):
+        if payload.dtype in WIDENED:  # gathered as its bytes (a flat vector's concatenation)
+            return ("bytes", payload.dtype, self._hvd.allgather_async(
+                payload.contiguous().reshape(-1).view(torch.uint8), name=name,
+                process_set=self.process_set))
         return self._hvd.allgather_async(payload, name=name, process_set=self.process_set)
 
     def allreduce_async(self, tensor, name, *, average, prescale=1.0, postscale=1.0):
         op = self._hvd.Average if average else self._hvd.Sum
+        if tensor.dtype in WIDENED:  # Horovod has no bfloat16 reduction: float32 on the wire,
+            wide = tensor.float()   # the result written back in place as Horovod would
+            return ("widened", tensor, self._hvd.allreduce_async_(
+                wide, name=name, op=op, prescale_factor=prescale, postscale_factor=postscale,
+                process_set=self.process_set))
         return self._hvd.allreduce_async_(tensor, name=name, op=op, prescale_factor=prescale,
                                           postscale_factor=postscale,
                                           process_set=self.process_set)
@@ -86,6 +98,10 @@ class HorovodTransport(Transport):
         if isinstance(handle, tuple) and handle[0] == "alltoall":
             output, _received_splits = self._hvd.synchronize(handle[1])
             return output
+        if isinstance(handle, tuple) and handle[0] == "widened":
+            return handle[1].copy_(self._hvd.synchronize(handle[2]))
+        if isinstance(handle, tuple) and handle[0] == "bytes":
+            return self._hvd.synchronize(handle[2]).view(handle[1])
         return self._hvd.synchronize(handle)
 
 

@@ -123,3 +123,32 @@ def test_update_exchange_keeps_replicas_identical(dropin):
     for r in dropin:
         assert r["update_params_equal"] and r["update_moved"] > 1e-3
         assert r["update_adam_state_per_rank"]  # each rank's AdamW saw its own gradients
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_non_contiguous_parameters_train_as_row_major_ones(dropin, optimizer):
+    """channels_last and transposed parameters: gradients (SGD) and updates (AdamW) exchanged
+    by logical position, bit for bit the row-major run, layout kept."""
+    for r in dropin:
+        assert r[f"layout_{optimizer}_equal"] and r[f"layout_{optimizer}_replicas"]
+        assert r[f"layout_{optimizer}_moved"] > 1e-3
+        assert r[f"layout_{optimizer}_rowmajor_kept"] and r[f"layout_{optimizer}_strided_kept"]
+
+
+def test_bfloat16_gradients_are_averaged_where_horovod_refuses_them(dropin):
+    for r in dropin:
+        assert r["bf16_ranks_differ"] and r["bf16_dense_mean"]
+        assert r["bf16_dtypes"] == ["torch.bfloat16"] * 2 and r["bf16_replicas"]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_step_with_a_closure_exchanges_the_closures_gradients(dropin, optimizer):
+    for r in dropin:
+        assert r[f"closure_{optimizer}_losses_equal"]
+        assert r[f"closure_{optimizer}_equal"] and r[f"closure_{optimizer}_replicas"]
+
+
+def test_checkpoint_loads_with_torch_load_defaults(dropin):
+    for r in dropin:
+        assert r["weights_only_loads"] and set(r["weights_only_loads"].values()) == {"ok"}, \
+            r["weights_only_loads"]

@@ -53,6 +53,21 @@ def _itemsize(dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
+def write_flat(p: torch.Tensor, lo: int, hi: int, values: torch.Tensor) -> None:
+    """``p.reshape(-1)[lo:hi] = values`` for a parameter in any memory layout: positions are
+    the tensor's logical (row-major) order on every rank, which a ``channels_last`` or
+    transposed parameter's storage is not, so such a parameter is written whole."""
+    if p.is_contiguous():
+        p.view(-1)[lo:hi].copy_(values)
+        return
+    if lo == 0 and hi == p.numel():
+        p.copy_(values.view(p.shape))
+        return
+    whole = p.detach().reshape(-1).clone()
+    whole[lo:hi] = values
+    p.copy_(whole.view(p.shape))
+
+
 class BucketView(NamedTuple):
     """A read-only snapshot of one bucket (tensors are copies)."""
 
@@ -1404,7 +1419,7 @@ class Engine:
         anchor = self.state[b.index].anchor
         with torch.no_grad():
             for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
-                p.view(-1)[lo:hi].copy_(anchor[off:off + hi - lo])
+                write_flat(p, lo, hi, anchor[off:off + hi - lo])
 
     # ----------------------------------------------------------------- end of step
     def _end_step(self):
@@ -1562,7 +1577,7 @@ class Engine:
         rep.update({"format": STATE_FORMAT, "world_size": t.size(), "rank": t.rank(),
                     "stats": self.stats.state_dict(), "average": self.config.average,
                     "bidirectional": self.config.bidirectional})
-        return rep
+        return checkpoint.loadable(rep)
 
     def load_state_dict(self, extra: dict) -> None:
         """Restore the engine's state. The rule for a state saved elsewhere:

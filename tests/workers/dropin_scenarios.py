@@ -338,9 +338,139 @@ def scenario_update_exchange(res):
     res["update_adam_state_per_rank"] = not same_everywhere(state)
 
 
+def _elementwise_step(ws, i, opt):
+    """A loss whose gradient is exact whatever the parameters' memory layout:
+    ``c + 0.01 w`` for each parameter, ``c`` this rank's and step's multiples of 1/8."""
+    g = torch.Generator().manual_seed(100 * i + hvd.rank())
+    opt.zero_grad()
+    loss = sum((w * (torch.randint(-8, 9, w.shape, generator=g) / 8).to(w.dtype)).sum()
+               + 0.005 * (w * w).sum() for w in ws)
+    loss.backward()
+    return loss
+
+
+def scenario_memory_layouts(res):
+    """A transposed and a channels_last parameter (non-contiguous storage, as
+    ``model.to(memory_format=torch.channels_last)`` makes) train exactly as the same values in
+    row-major storage, for gradients (SGD) and updates (AdamW), and keep their layout."""
+    torch.manual_seed(5)
+    values = [torch.randn(48, 64), torch.randn(16, 8, 3, 3)]
+    for name, base in (("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+                       ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2))):
+        runs = {}
+        for layout in ("rowmajor", "strided"):
+            if layout == "rowmajor":
+                ws = [torch.nn.Parameter(v.clone()) for v in values]
+            else:
+                ws = [torch.nn.Parameter(values[0].t().contiguous().t()),
+                      torch.nn.Parameter(values[1].contiguous(
+                          memory_format=torch.channels_last))]
+            strides = [w.stride() for w in ws]
+            opt = make(torch.nn.ParameterList(ws), base(ws), density=0.05)
+            for i in range(4):
+                _elementwise_step(ws, i, opt)
+                opt.step()
+            runs[layout] = torch.cat([w.detach().reshape(-1) for w in ws])
+            res[f"layout_{name}_{layout}_kept"] = [w.stride() for w in ws] == strides
+        res[f"layout_{name}_equal"] = bool(torch.equal(runs["rowmajor"], runs["strided"]))
+        res[f"layout_{name}_replicas"] = same_everywhere(runs["strided"])
+        res[f"layout_{name}_moved"] = float((runs["strided"] - torch.cat(
+            [v.reshape(-1) for v in values])).abs().max())
+
+
+def scenario_bfloat16_dense_tensor(res):
+    """bfloat16 gradients, which Horovod's allreduce refuses: a tensor sent dense is averaged
+    in float32 (exactly the mean here) and the replicas stay identical."""
+    torch.manual_seed(6)
+    ws = [torch.nn.Parameter(torch.randn(40, 30).bfloat16()),
+          torch.nn.Parameter(torch.randn(10).bfloat16())]
+    opt = make(torch.nn.ParameterList(ws), torch.optim.SGD(ws, lr=0.1),
+               min_sparse_numel=100)  # the second tensor goes dense
+    twins = [w.detach().clone().requires_grad_() for w in ws]
+    _elementwise_step(twins, 0, torch.optim.SGD(twins, lr=0))  # this rank's own gradient
+    _elementwise_step(ws, 0, opt)
+    opt.synchronize()
+    local = hvd.allgather_object(twins[1].grad.float().tolist())
+    expected = (torch.tensor(local).sum(0) / hvd.size()).bfloat16()
+    res["bf16_dense_mean"] = bool(torch.equal(ws[1].grad, expected))
+    res["bf16_ranks_differ"] = local[0] != local[-1]
+    with opt.skip_synchronize():
+        opt.step()
+    for i in range(1, 4):
+        _elementwise_step(ws, i, opt)
+        opt.step()
+    res["bf16_dtypes"] = [str(w.dtype) for w in ws]
+    res["bf16_replicas"] = same_everywhere([w.detach() for w in ws])
+
+
+def scenario_step_with_closure(res):
+    """``step(closure)``, the pattern torch documents: the closure's gradients are exchanged
+    (not recomputed locally after the exchange) and its loss returned; the same as backward
+    then ``step()``."""
+    for name, base, kw in (("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {}),
+                           ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                            {"exchange": "update"})):
+        runs, losses = {}, {}
+        for how in ("explicit", "closure"):
+            m = model()
+            opt = make(m, base(m.parameters()), **kw)
+            got = []
+            for i in range(4):
+                x, y = batch(i)
+
+                def closure():
+                    opt.zero_grad()
+                    loss = F.cross_entropy(m(x), y)
+                    loss.backward()
+                    return loss
+                if how == "closure":
+                    got.append(float(opt.step(closure)))
+                else:
+                    got.append(float(closure()))
+                    opt.step()
+            runs[how], losses[how] = params(m), got
+        res[f"closure_{name}_equal"] = bool(torch.equal(runs["explicit"], runs["closure"]))
+        res[f"closure_{name}_losses_equal"] = losses["explicit"] == losses["closure"]
+        res[f"closure_{name}_replicas"] = same_everywhere(runs["closure"])
+
+
+def scenario_checkpoint_loads_weights_only(res):
+    """A checkpoint of the optimizer, saved after the cost model's calibration, loads with
+    ``torch.load``'s default ``weights_only=True`` (torch >= 2.6) for every method, and the
+    loaded optimizer goes on training."""
+    import io
+
+    cases = {"topk": {}, "gaussiank": dict(sparsifier="gaussiank"),
+             "adaptive": dict(sparsifier="adaptive", total_steps=50),
+             "threshold": dict(sparsifier="threshold", threshold=1e-3),
+             "sbc": dict(sparsifier="sbc"), "randomk": dict(sparsifier="randomk"),
+             "update": dict(exchange="update", index_coding="auto")}
+    out = {}
+    for name, kw in cases.items():
+        m = model()
+        opt = make(m, cost_model="time", calibration_steps=2, **kw)
+        for i in range(4):
+            step(m, opt, i)
+        buf = io.BytesIO()
+        torch.save({"model": m.state_dict(), "optimizer": opt.state_dict()}, buf)
+        buf.seek(0)
+        try:
+            saved = torch.load(buf)
+            m2 = model()
+            m2.load_state_dict(saved["model"])
+            opt2 = make(m2, cost_model="time", calibration_steps=2, **kw)
+            opt2.load_state_dict(saved["optimizer"])
+            step(m2, opt2, 4)
+            out[name] = "ok" if opt2.engine_state() is not None else "no state"
+        except Exception as e:  # noqa: BLE001 - the type is part of the result
+            out[name] = f"{type(e).__name__}: {str(e)[-300:]}"
+    res["weights_only_loads"] = out
+
+
 SCENARIOS = [scenario_update_exchange, scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
              scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
-             scenario_sparse_embedding]
+             scenario_sparse_embedding, scenario_memory_layouts, scenario_bfloat16_dense_tensor,
+             scenario_step_with_closure, scenario_checkpoint_loads_weights_only]
 
 
 if __name__ == "__main__":
