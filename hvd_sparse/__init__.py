@@ -8,7 +8,7 @@ looked up in ``horovod.torch`` on first use. ``init`` is Horovod's too, after on
 of the MPI environment (:mod:`hvd_sparse.core_sharing`).
 """
 from . import core_sharing
-from .broadcast import broadcast_optimizer_state
+from .state_broadcast import broadcast_optimizer_state
 from .checkpoint import ShardedStateWarning, merge_rank_states
 from .optimizer import DistributedOptimizer, is_sparse_optimizer
 from .sparsifiers import (AdaptiveTopK, GaussianK, HardThreshold, RandomK, SelectionContext,

@@ -1,8 +1,9 @@
 """Horovod-free API over mpi4py: ``import hvd_sparse.mpi as hvd`` under plain ``mpirun -np N``.
 
 For clusters where Horovod cannot be built. It offers what a data-parallel training script needs
-around the optimizer (``init``, ``rank``, ``size``, ``local_rank``, ``broadcast_parameters``,
-``broadcast_optimizer_state``, ``allreduce``, ``allgather``, ``allgather_object``,
+around the optimizer (``init``, ``rank``, ``size``, ``local_rank``, ``local_size``,
+``cross_rank``, ``cross_size``, ``broadcast_parameters``, ``broadcast_optimizer_state``,
+``allreduce``/``allreduce_``, ``broadcast``/``broadcast_``, ``allgather``, ``allgather_object``,
 ``broadcast_object``, ``Average``/``Sum``, ``Compression``) and a ``DistributedOptimizer`` that
 uses :class:`hvd_sparse.transport.MPITransport`. It never imports Horovod.
 """
@@ -57,7 +58,38 @@ def local_rank() -> int:
     for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
         if var in os.environ:
             return int(os.environ[var])
-    return _c().Split_type(__import__("mpi4py").MPI.COMM_TYPE_SHARED).Get_rank()
+    return _node().Get_rank()
+
+
+_nodes = {}
+
+
+def _node():
+    """This node's ranks as a communicator (made once per world communicator)."""
+    comm = _c()
+    if id(comm) not in _nodes:
+        _nodes[id(comm)] = comm.Split_type(__import__("mpi4py").MPI.COMM_TYPE_SHARED)
+    return _nodes[id(comm)]
+
+
+def local_size() -> int:
+    """Ranks on this node."""
+    return _node().Get_size()
+
+
+def cross_rank() -> int:
+    """This node's index among the nodes (ordered by their lowest rank), as Horovod's."""
+    leaders = sorted({min(ranks) for ranks in allgather_object(_node_ranks())})
+    return leaders.index(min(_node_ranks()))
+
+
+def cross_size() -> int:
+    """Number of nodes."""
+    return len({min(ranks) for ranks in allgather_object(_node_ranks())})
+
+
+def _node_ranks():
+    return tuple(_node().allgather(rank()))
 
 
 def shutdown():
@@ -81,8 +113,30 @@ def allreduce(tensor, op=None, name=None):
     """Average (default) or sum of ``tensor`` over ranks; returns a new tensor."""
     t = MPITransport(_c())
     op = compat.Average if op is None else op
+    if op != compat.Average and op != compat.Sum:
+        raise ValueError(f"op={op!r}: hvd_sparse.mpi reduces with Average or Sum only")
     out = t.wait(t.allreduce_async(tensor, name or "allreduce", average=op == compat.Average))
     return out.view(tensor.shape)
+
+
+def allreduce_(tensor, op=None, name=None):
+    """:func:`allreduce` written into ``tensor`` (returned), as Horovod's in-place form."""
+    with torch.no_grad():
+        return tensor.copy_(allreduce(tensor, op=op, name=name))
+
+
+def broadcast_(tensor, root_rank=0, name=None):
+    """Rank ``root_rank``'s ``tensor`` copied into ``tensor`` on every rank (returned)."""
+    host = tensor.detach().cpu().contiguous().clone()
+    if host.numel():
+        _c().Bcast(host.reshape(-1).view(torch.uint8).numpy(), root=root_rank)
+    with torch.no_grad():
+        return tensor.copy_(host.to(tensor.device))
+
+
+def broadcast(tensor, root_rank=0, name=None):
+    """A new tensor holding rank ``root_rank``'s ``tensor``."""
+    return broadcast_(tensor.detach().clone(), root_rank, name)
 
 
 def allgather(tensor, name=None):
@@ -100,11 +154,7 @@ def broadcast_parameters(params, root_rank=0):
         for _, p in sorted(items, key=lambda kv: kv[0]):
             if not isinstance(p, torch.Tensor):
                 continue
-            host = p.detach().cpu().contiguous().clone()
-            if host.numel() == 0:
-                continue
-            comm.Bcast(host.reshape(-1).view(torch.uint8).numpy(), root=root_rank)
-            p.copy_(host.to(p.device))
+            broadcast_(p, root_rank)
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0):

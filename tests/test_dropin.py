@@ -152,3 +152,14 @@ def test_checkpoint_loads_with_torch_load_defaults(dropin):
     for r in dropin:
         assert r["weights_only_loads"] and set(r["weights_only_loads"].values()) == {"ok"}, \
             r["weights_only_loads"]
+
+
+def test_tensor_helpers_around_the_optimizer(dropin):
+    n = len(dropin)
+    for r in dropin:
+        last = [float(n - 1 + i) for i in range(4)]
+        assert r["helpers_broadcast"] == last and r["helpers_broadcast_left_input"]
+        assert r["helpers_broadcast_"] == last
+        assert r["helpers_allreduce_"] == [float(sum(range(n)))] * 3
+        assert r["helpers_allreduce"] == [sum(range(n)) / n]
+        assert r["helpers_sizes"] == [n, 0, 1]  # one node

@@ -573,3 +573,16 @@ def test_sparse_gradient_handed_back_in_horovods_layout(sparse_as_dense, density
         assert torch.equal(g.to_dense(), raw)
     with opt.skip_synchronize():
         opt.step()
+
+
+def test_every_horovod_name_is_horovods_but_the_optimizer_and_init():
+    """``import hvd_sparse as hvd`` in a Horovod script: each public name of
+    ``horovod.torch`` is Horovod's own object (a submodule of ours named like a Horovod
+    function, e.g. ``broadcast``, would shadow it), except the documented replacements."""
+    real = pytest.importorskip("horovod.torch", reason="Horovod is not installed "
+                               "(run launch/setup.sh)")
+    ours = {"DistributedOptimizer", "broadcast_optimizer_state", "init", "optimizer"}
+    different = [n for n in dir(real) if not n.startswith("_")
+                 and getattr(hvd_sparse, n) is not getattr(real, n)]
+    assert sorted(different) == sorted(ours)
+    assert callable(hvd_sparse.broadcast) and callable(hvd_sparse.allreduce_)

@@ -467,10 +467,28 @@ def scenario_checkpoint_loads_weights_only(res):
     res["weights_only_loads"] = out
 
 
+def scenario_collective_helpers(res):
+    """The tensor helpers training scripts call around the optimizer (metrics, seeds), the same
+    under Horovod and the mpi4py front end."""
+    r, n = hvd.rank(), hvd.size()
+    x = torch.arange(4.0) + r
+    res["helpers_broadcast"] = hvd.broadcast(x, root_rank=n - 1).tolist()
+    res["helpers_broadcast_left_input"] = x.tolist() == (torch.arange(4.0) + r).tolist()
+    y = torch.arange(4.0) + r
+    hvd.broadcast_(y, root_rank=n - 1)
+    res["helpers_broadcast_"] = y.tolist()
+    z = torch.full((3,), float(r))
+    hvd.allreduce_(z, op=hvd.Sum)
+    res["helpers_allreduce_"] = z.tolist()
+    res["helpers_allreduce"] = hvd.allreduce(torch.tensor([float(r)])).tolist()
+    res["helpers_sizes"] = [hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]
+
+
 SCENARIOS = [scenario_update_exchange, scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
              scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
              scenario_sparse_embedding, scenario_memory_layouts, scenario_bfloat16_dense_tensor,
-             scenario_step_with_closure, scenario_checkpoint_loads_weights_only]
+             scenario_step_with_closure, scenario_checkpoint_loads_weights_only,
+             scenario_collective_helpers]
 
 
 if __name__ == "__main__":
