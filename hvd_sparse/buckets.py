@@ -54,7 +54,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def _split_list(items: list, n: int) -> List[list]:

@@ -65,7 +65,7 @@ def _pad8(nbytes: int) -> int:
 
 
 def _size(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def payload_nbytes(count: int, index_dtype: torch.dtype, value_dtype: torch.dtype,

@@ -50,7 +50,7 @@ SPARSE_DELTA_SHARE = 8
 
 
 def _itemsize(dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def write_flat(p: torch.Tensor, lo: int, hi: int, values: torch.Tensor) -> None:
@@ -195,7 +195,10 @@ class Engine:
 
     # ----------------------------------------------------------------- agreement
     def ensure_agreed(self) -> None:
-        """Run the cross-rank agreement when due (see :mod:`hvd_sparse.engine.agreement`)."""
+        """Run the cross-rank agreement when due (see :mod:`hvd_sparse.engine.agreement`).
+        Checked at a step's first launch: the world does not change within a step."""
+        if self.inflight and not self.agreement_due:
+            return
         size = self.transport.size()
         if not self.agreement_due and size == self._agreed_size:
             return
@@ -307,6 +310,11 @@ class Engine:
         """The bucket's gradient as one flat vector, read where it lies: a view of ``p.grad``
         for a single-parameter bucket, a reused buffer otherwise; zeros where a parameter has
         no gradient (as Horovod does). Returns (flat, ids of sparse-gradient parameters)."""
+        if len(b.params) == 1:  # the common case first: one whole, contiguous gradient
+            g = b.params[0].grad
+            if g is not None and g.layout == torch.strided and g.dtype.is_floating_point \
+                    and g.is_contiguous() and g.numel() == b.numel:
+                return g.view(-1), frozenset()
         sparse_ids = set()
         parts = []
         for p, name, (lo, hi) in zip(b.params, b.names, b.slices):
@@ -334,8 +342,8 @@ class Engine:
     def dense_flavour(self) -> str:
         """``"gather"`` (allgather, rank-order sum: same bits every run) with
         ``deterministic_dense`` at 3 or more ranks, else ``"reduce"`` (an allreduce)."""
-        return "gather" if (self.config.deterministic_dense and self.transport.size() > 2) \
-            else "reduce"
+        size = self._agreed_size or self.transport.size()  # (agreed at the step's start)
+        return "gather" if (self.config.deterministic_dense and size > 2) else "reduce"
 
     def index_coding(self, b) -> str:
         """The positions' code for the bucket's payloads: the configured one, or under
@@ -375,7 +383,6 @@ class Engine:
         or more ranks, where the summation order of an allreduce can change between runs: then
         an allgather and a sum in rank order."""
         c = self.config
-        size = self.transport.size()
         dense = self.dense_flavour()
         if not b.sparse or self.steps < c.dense_warmup_steps:
             return dense
@@ -385,7 +392,7 @@ class Engine:
             up, _ = self.densities()
             k = c.sparsifier.target_count(b.numel, up, self._ctx(b, "up"))
             if k is not None and costmodel.prefer_dense(
-                    b.numel, k, size, _itemsize(b.index_dtype),
+                    b.numel, k, self.transport.size(), _itemsize(b.index_dtype),
                     _itemsize(c.value_dtype or b.dtype), _itemsize(b.dtype),
                     dense_by="gather" if dense == "gather" else "ring"):
                 return dense
