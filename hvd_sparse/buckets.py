@@ -96,14 +96,17 @@ def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str
                  max_bucket_numel: Optional[int] = None) -> List[Bucket]:
     """Group ``(name, parameter)`` pairs (in optimizer order) into buckets.
 
-    Buckets whose total size is below ``min_sparse_numel`` entries are sent dense; buckets above
-    ``max_bucket_numel`` entries are split (a large parameter across several buckets).
+    Buckets whose total size is below ``min_sparse_numel`` entries are sent dense (with
+    ``scope="tensor"``, such tensors are packed into one dense bucket per dtype and device);
+    buckets above ``max_bucket_numel`` entries are split (a large parameter across several
+    buckets).
     """
     if scope not in SCOPES:
         raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
     params = list(params)
     name_of = {id(p): n for n, p in params}
     chunks: List[List[Tuple[str, torch.nn.Parameter]]] = []
+    packed = set()  # ids of chunks of small tensors: dense whatever their total size
 
     if groups is not None:
         if isinstance(groups, int):
@@ -118,7 +121,18 @@ def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str
                     chunks.append(chunk)
             chunks += [[(n, p)] for n, p in params if id(p) not in grouped]
     elif scope == "tensor":
-        chunks = [[np_] for np_ in params]
+        # the tensors too small to sparsify travel together, one dense bucket per dtype and
+        # device: one launch and one allreduce instead of one per bias or norm weight (the
+        # per-bucket Python costs more than their bytes); first in the list, so launched last,
+        # when backward has reached the first layers' biases anyway
+        small = {}
+        for n, p in params:
+            if p.numel() < min_sparse_numel:
+                small.setdefault((p.dtype, p.device), []).append((n, p))
+        chunks = [c for c in small.values() if len(c) > 1]
+        packed.update(id(c) for c in chunks)
+        chunks += [[(n, p)] for n, p in params
+                   if p.numel() >= min_sparse_numel or len(small[(p.dtype, p.device)]) == 1]
     elif scope == "model":
         keyed = {}
         for n, p in params:
@@ -148,6 +162,7 @@ def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str
             pieces = list(_split(chunk, max_bucket_numel))
         else:
             pieces = [[(n, p, 0, p.numel()) for n, p in chunk]]
+        dense = id(chunk) in packed
         for piece in pieces:
             names = [n for n, *_ in piece]
             label = [n if (lo, hi) == (0, p.numel()) else f"{n}[{lo}:{hi}]"
@@ -155,7 +170,8 @@ def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str
             size = sum(hi - lo for *_, lo, hi in piece)
             buckets.append(Bucket(index=len(buckets), name=_bucket_name(label),
                                   params=[p for _, p, *_ in piece], names=names,
-                                  dtype=piece[0][1].dtype, sparse=size >= min_sparse_numel,
+                                  dtype=piece[0][1].dtype,
+                                  sparse=not dense and size >= min_sparse_numel,
                                   slices=[(lo, hi) for *_, lo, hi in piece]))
     seen = {}
     for b in buckets:
