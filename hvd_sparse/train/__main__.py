@@ -27,7 +27,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="fashion-mnist", choices=["fashion-mnist", "shakespeare"])
     p.add_argument("--model", default=None,
-                   help="cnn | resnet | mlp11m (fashion-mnist), lstm (shakespeare)")
+                   help="cnn | resnet | mlp11m | mlpdeep (fashion-mnist), lstm (shakespeare)")
     p.add_argument("--optimizer", default="sparse", choices=["sparse", "dense", "local"],
                    help="sparse: hvd_sparse; dense: Horovod's own (control); local: no exchange")
     p.add_argument("--sparsifier", default="topk",
