@@ -34,6 +34,8 @@ def init(comm=None):
     from mpi4py import MPI
 
     _comm = comm if comm is not None else MPI.COMM_WORLD
+    _layout.clear()
+    _layout.update(_topology(_comm))
 
 
 def _c():
@@ -58,43 +60,47 @@ def local_rank() -> int:
     for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
         if var in os.environ:
             return int(os.environ[var])
-    return _node().Get_rank()
+    return _where("local_rank")
 
 
-_nodes = {}
+_layout = {}  # what init() found out collectively: local rank and size, cross rank and size
 
 
-def _node():
-    """This node's ranks as a communicator (made once per world communicator)."""
-    comm = _c()
-    if id(comm) not in _nodes:
-        _nodes[id(comm)] = comm.Split_type(__import__("mpi4py").MPI.COMM_TYPE_SHARED)
-    return _nodes[id(comm)]
+def _topology(comm):
+    """This rank's place among the nodes, found once in :func:`init` (collective there, so
+    the lookups below are local, as Horovod's are)."""
+    node = comm.Split_type(__import__("mpi4py").MPI.COMM_TYPE_SHARED)
+    leaders = sorted({min(ranks) for ranks in comm.allgather(tuple(node.allgather(
+        comm.Get_rank())))})
+    mine = min(node.allgather(comm.Get_rank()))
+    return {"local_rank": node.Get_rank(), "local_size": node.Get_size(),
+            "cross_rank": leaders.index(mine), "cross_size": len(leaders)}
+
+
+def _where(key):
+    _c()
+    return _layout[key]
 
 
 def local_size() -> int:
     """Ranks on this node."""
-    return _node().Get_size()
+    return _where("local_size")
 
 
 def cross_rank() -> int:
     """This node's index among the nodes (ordered by their lowest rank), as Horovod's."""
-    leaders = sorted({min(ranks) for ranks in allgather_object(_node_ranks())})
-    return leaders.index(min(_node_ranks()))
+    return _where("cross_rank")
 
 
 def cross_size() -> int:
     """Number of nodes."""
-    return len({min(ranks) for ranks in allgather_object(_node_ranks())})
-
-
-def _node_ranks():
-    return tuple(_node().allgather(rank()))
+    return _where("cross_size")
 
 
 def shutdown():
     global _comm
     _comm = None
+    _layout.clear()
 
 
 def barrier():
@@ -115,7 +121,8 @@ def allreduce(tensor, op=None, name=None):
     op = compat.Average if op is None else op
     if op != compat.Average and op != compat.Sum:
         raise ValueError(f"op={op!r}: hvd_sparse.mpi reduces with Average or Sum only")
-    out = t.wait(t.allreduce_async(tensor, name or "allreduce", average=op == compat.Average))
+    out = t.wait(t.allreduce_async(tensor.detach(), name or "allreduce",
+                                   average=op == compat.Average))
     return out.view(tensor.shape)
 
 

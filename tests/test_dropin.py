@@ -152,6 +152,8 @@ def test_checkpoint_loads_with_torch_load_defaults(dropin):
     for r in dropin:
         assert r["weights_only_loads"] and set(r["weights_only_loads"].values()) == {"ok"}, \
             r["weights_only_loads"]
+        costs = [k for k in r if k.startswith("weights_only_") and k.endswith("_costs_plain")]
+        assert len(costs) == 7 and all(r[k] for k in costs)
 
 
 def test_tensor_helpers_around_the_optimizer(dropin):
@@ -163,3 +165,5 @@ def test_tensor_helpers_around_the_optimizer(dropin):
         assert r["helpers_allreduce_"] == [float(sum(range(n)))] * 3
         assert r["helpers_allreduce"] == [sum(range(n)) / n]
         assert r["helpers_sizes"] == [n, 0, 1]  # one node
+        assert r["helpers_allreduce_parameter"] == [sum(range(n)) / n] * 2
+    assert dropin[0]["helpers_rank0_alone"] == [n, 1, 0]

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .. import safety
+from .. import checkpoint, safety
 
 DIGEST_BYTES = 32
 
@@ -77,7 +77,7 @@ def agree(transport, description: Optional[dict], replicated: dict,
     blob = b""
     if transport.rank() == root:
         buf = io.BytesIO()
-        torch.save(_to_cpu(replicated), buf)
+        torch.save(checkpoint.loadable(_to_cpu(replicated)), buf)
         blob = buf.getvalue()
     data = safety._gather_bytes(transport, blob, "hvd_sparse.agree.state")[root]
     if states[transport.rank()] == states[root]:

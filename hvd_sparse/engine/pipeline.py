@@ -1523,12 +1523,14 @@ class Engine:
             if st.mode == "dense" and self.collective(b) == "sharded":
                 # the first dense exchange flushes the downlink residual: it must be whole
                 self._regions_to_replicated(b)
-            st.costs = {"sparse_s": t_sparse, "dense_s": t_dense, "compute_s": cs,
-                        "gathered_bytes": nbytes, "allgather_s": t_gather,
-                        "sharded_s": t_sharded, "collective": self.collective(b),
-                        "index_coding": self.index_coding(b)}
+            # plain floats (the agreed measurements come as numpy's): the costs are replicated
+            # state, digested by repr and sent through torch.load(weights_only=True)
+            st.costs = {"sparse_s": float(t_sparse), "dense_s": float(t_dense),
+                        "compute_s": float(cs), "gathered_bytes": float(nbytes),
+                        "allgather_s": float(t_gather), "sharded_s": float(t_sharded),
+                        "collective": self.collective(b), "index_coding": self.index_coding(b)}
             if t_golomb is not None:
-                st.costs["golomb_allgather_s"] = t_golomb
+                st.costs["golomb_allgather_s"] = float(t_golomb)
         self.calibrated_at = self.steps
 
     def downlink_paths(self) -> dict:

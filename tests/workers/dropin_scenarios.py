@@ -451,6 +451,10 @@ def scenario_checkpoint_loads_weights_only(res):
         opt = make(m, cost_model="time", calibration_steps=2, **kw)
         for i in range(4):
             step(m, opt, i)
+        # the costs are replicated state (digested, sent through torch.load): plain numbers
+        res[f"weights_only_{name}_costs_plain"] = all(
+            type(v) in (float, str) for c in opt.communication_stats()["cost_model"][
+                "buckets"].values() for k, v in c.items() if k != "mode")
         buf = io.BytesIO()
         torch.save({"model": m.state_dict(), "optimizer": opt.state_dict()}, buf)
         buf.seek(0)
@@ -482,6 +486,10 @@ def scenario_collective_helpers(res):
     res["helpers_allreduce_"] = z.tolist()
     res["helpers_allreduce"] = hvd.allreduce(torch.tensor([float(r)])).tolist()
     res["helpers_sizes"] = [hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]
+    if r == 0:  # lookups, not collectives: one rank alone may ask
+        res["helpers_rank0_alone"] = [hvd.local_size(), hvd.cross_size(), hvd.local_rank()]
+    res["helpers_allreduce_parameter"] = hvd.allreduce(
+        torch.nn.Parameter(torch.full((2,), float(r)))).tolist()
 
 
 SCENARIOS = [scenario_update_exchange, scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
