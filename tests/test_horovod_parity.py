@@ -48,3 +48,15 @@ def test_synchronize_clip_skip_synchronize_and_the_step_warning(parity):
     for r in parity:
         assert r["clip_reduced"]
         assert len(r["step_warnings"]) == 1 and SYNC_WARNING in r["step_warnings"][0]
+
+
+def test_each_process_set_keeps_its_own_replicas(tmp_path, mpi_available):
+    """Two process sets of two ranks each (Horovod's static sets), each set's optimizer on its
+    own set: replicas identical within a set, the sets training apart, for gradients (SGD)
+    and updates (AdamW)."""
+    proc, results = run_ranks("mpirun", 4, "process_set_scenario.py", tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in results:
+        for name in ("sgd", "adamw"):
+            assert r[f"{name}_even_equal"] and r[f"{name}_odd_equal"], (name, r)
+            assert r[f"{name}_sets_differ"], (name, r)
