@@ -22,6 +22,7 @@ from .checkpoint import ShardedStateWarning, merge_rank_states  # noqa: F401
 from .transport import MPITransport
 
 _comm = None
+_layout = {}  # what init() found out collectively: local rank and size, cross rank and size
 
 
 def init(comm=None):
@@ -63,16 +64,12 @@ def local_rank() -> int:
     return _where("local_rank")
 
 
-_layout = {}  # what init() found out collectively: local rank and size, cross rank and size
-
-
 def _topology(comm):
     """This rank's place among the nodes, found once in :func:`init` (collective there, so
     the lookups below are local, as Horovod's are)."""
     node = comm.Split_type(__import__("mpi4py").MPI.COMM_TYPE_SHARED)
-    leaders = sorted({min(ranks) for ranks in comm.allgather(tuple(node.allgather(
-        comm.Get_rank())))})
-    mine = min(node.allgather(comm.Get_rank()))
+    mine = min(node.allgather(comm.Get_rank()))  # a node is named by its lowest rank
+    leaders = sorted(set(comm.allgather(mine)))
     return {"local_rank": node.Get_rank(), "local_size": node.Get_size(),
             "cross_rank": leaders.index(mine), "cross_size": len(leaders)}
 
