@@ -83,6 +83,17 @@ def runs(args):
                                                   "--no-bidirectional"]),
                 ("warmup-update-down2%", ["--density-warmup-steps", warm, "--exchange",
                                           "update", "--downlink-density", "0.02"]),
+                # one bucket with the layer floor (each tensor half its own Top-K first, the
+                # rest global): global selection's gain on the LSTM without starving a layer
+                ("warmup-update-unidirectional-floor0.5", [
+                    "--density-warmup-steps", warm, "--exchange", "update",
+                    "--no-bidirectional", "--scope", "model", "--layer-floor", "0.5"]),
+                ("warmup-update-unidirectional-floor0.25", [
+                    "--density-warmup-steps", warm, "--exchange", "update",
+                    "--no-bidirectional", "--scope", "model", "--layer-floor", "0.25"]),
+                ("momcorr-floor0.5-warmup-cooldown", [
+                    "--momentum-correction", "--scope", "model", "--layer-floor", "0.5",
+                    "--density-warmup-steps", warm, "--density-cooldown-steps", warm]),
                 # the downlink selection named, since the CLI drops it from 3 ranks
                 ("warmup-update-bidirectional", ["--density-warmup-steps", warm,
                                                  "--exchange", "update", "--bidirectional"]))},

@@ -37,6 +37,10 @@ Levers, each with its reason:
   DGC's warm-up at the run's end, so the mass error feedback still holds reaches the final model
   gradually (the iterate error feedback returns trails the one that converges like SGD by the
   residuals: Stich et al., NeurIPS'18; Karimireddy et al., ICML'19);
+* ``floor<f>`` (``scope="model"``, ``layer_floor=f``): one bucket where each tensor first keeps
+  the share ``f`` of its own Top-K and the rest of the budget goes to the largest entries of
+  any tensor (``f=0``: global Top-K; ``f=1``: layer-wise), so no layer starves (the ResNet's
+  loss under global selection) while the budget still flows to the large magnitudes;
 * density 1% and 0.1%, and the run's length (``--steps``: names get ``@<steps>steps`` unless
   300), since error feedback's delay weighs less in a longer run.
 
@@ -161,6 +165,16 @@ def levers(steps):
                                            "--downlink-density", "0.0025"],
         "topk1%-update-warmup-down2%": ["--density", "0.01", *update, *warm,
                                         "--downlink-density", "0.02"],
+        # the layer floor (scope="model" with layer_floor): one bucket, each tensor first keeps
+        # a share of its own Top-K, the rest of the budget is global; between the layer-wise
+        # selection (DGC) that never starves a layer and the global one (Shi et al., 2019)
+        # that the LSTM gained from and the ResNet lost by (benchmarks/accuracy.py)
+        **{f"topk1%-update-unidirectional-warmup-floor{f}": [
+            "--density", "0.01", *update, "--no-bidirectional", *warm, "--scope", "model",
+            "--layer-floor", f] for f in ("0", "0.25", "0.5")},
+        **{f"topk1%-grad-momcorr-floor{f}-warmup-cooldown": [
+            "--density", "0.01", *grad, "--momentum-correction", "--scope", "model",
+            "--layer-floor", f, *warm, *cool] for f in ("0.25", "0.5")},
         "topk0.1%-grad": ["--density", "0.001", *grad],
         "topk0.1%-update": ["--density", "0.001", *update],
     }

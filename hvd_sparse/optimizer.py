@@ -427,7 +427,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          calibration_steps=3, recalibrate_every=0, value_dtype=None,
                          nonfinite="propagate", verify_every=0, check_config=True,
                          collective="auto", sharded_selection="global",
-                         rebalance_every=100, scope="tensor", bucket_cap_mb=25.0,
+                         rebalance_every=100, scope="tensor", layer_floor=0.0,
+                         bucket_cap_mb=25.0,
                          min_sparse_numel=1024,
                          max_bucket_numel=None,
                          transport=None, **unknown):
@@ -444,7 +445,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     gradients are exchanged, not where each step's weight update is, ``exchange="update"``,
     whose runs ended better without it: benchmarks/convergence.py, README), ``downlink_density`` (``None``: same
     as ``density``), ``sparsifier`` (name or :class:`hvd_sparse.Sparsifier`), ``scope``
-    (``"tensor"``, ``"model"`` or ``"bucket"`` with ``bucket_cap_mb``), ``min_sparse_numel``
+    (``"tensor"``, ``"model"`` or ``"bucket"`` with ``bucket_cap_mb``), ``layer_floor``
+    (Top-K in a bucket of several tensors: each first keeps this share of its own Top-K, the
+    rest of the budget goes to the largest entries anywhere; 0, the default, is one Top-K per
+    bucket), ``min_sparse_numel``
     (smaller buckets go dense: see ``deterministic_dense``), ``max_bucket_numel`` (larger buckets, and
     parameters, are split into several), ``transport`` (a :class:`hvd_sparse.transport.Transport`;
     default Horovod's collectives).
@@ -552,7 +556,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         calibration_steps=calibration_steps, recalibrate_every=recalibrate_every,
         value_dtype=value_dtype, nonfinite=nonfinite, verify_every=verify_every,
         check_config=check_config, collective=collective,
-        sharded_selection=sharded_selection, rebalance_every=rebalance_every)
+        sharded_selection=sharded_selection, rebalance_every=rebalance_every,
+        layer_floor=layer_floor)
     if num_groups:
         warnings.warn("Parameter `num_groups` has been replaced by `groups`.", DeprecationWarning)
         groups = num_groups if groups is None else groups

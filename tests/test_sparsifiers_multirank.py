@@ -5,7 +5,7 @@ from conftest import run_ranks
 
 pytestmark = pytest.mark.multirank
 
-METHODS = ["topk", "gaussiank", "threshold", "adaptive", "sbc", "randomk", "sbc_delay",
+METHODS = ["topk", "topk_floor", "gaussiank", "threshold", "adaptive", "sbc", "randomk", "sbc_delay",
            "topk_dgc"]
 VARIABLE_K = ["gaussiank", "threshold"]  # counts depend on each rank's data
 

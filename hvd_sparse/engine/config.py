@@ -91,6 +91,9 @@ class EngineConfig:
     sharded_selection: str = "global"  # Top-K downlink of a sharded bucket: one threshold
     # for the whole bucket (a histogram allreduce), or "region": each owner its own top
     rebalance_every: int = 100  # sharded: steps between checks of the regions' load (0: never)
+    # a bucket of several tensors: the share of each tensor's own Top-K it keeps before the
+    # rest of the bucket's budget goes to the largest entries anywhere (0: one global Top-K)
+    layer_floor: float = 0.0
 
     def describe(self) -> dict:
         """The options as plain values, for the cross-rank configuration digest."""
@@ -157,7 +160,8 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
                  cooldown_density=0.1, track_error, exchange, deterministic_dense,
                  dense_fallback, cost_model, calibration_steps, recalibrate_every, value_dtype,
                  nonfinite, verify_every, check_config, collective="auto",
-                 sharded_selection="global", rebalance_every=100) -> EngineConfig:
+                 sharded_selection="global", rebalance_every=100,
+                 layer_floor=0.0) -> EngineConfig:
     """Validate the keywords of :func:`hvd_sparse.DistributedOptimizer` (clear errors naming
     the keyword) and freeze them."""
     from .. import compat
@@ -247,6 +251,12 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         raise ValueError(f"sharded_selection must be one of {SHARDED_SELECTIONS}, "
                          f"got {sharded_selection!r}")
     _nonneg_int("rebalance_every", rebalance_every)
+    if isinstance(layer_floor, bool) or not isinstance(layer_floor, (int, float)) \
+            or not 0.0 <= layer_floor <= 1.0:
+        raise ValueError(f"layer_floor must be a number in [0, 1], got {layer_floor!r}")
+    if layer_floor > 0 and not (up.supports_layer_floor and down.supports_layer_floor):
+        raise ValueError(f"layer_floor={layer_floor!r} needs a method that keeps a per-tensor "
+                         f"floor (Top-K); {up!r} does not")
     return EngineConfig(
         density=density, downlink_density=downlink_density, bidirectional=bidirectional,
         sparsifier=up, downlink_sparsifier=down, average=average,
@@ -261,4 +271,5 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         cost_model=cost_model, calibration_steps=calibration_steps,
         recalibrate_every=recalibrate_every, value_dtype=value_dtype, nonfinite=nonfinite,
         verify_every=verify_every, check_config=bool(check_config), collective=collective,
-        sharded_selection=sharded_selection, rebalance_every=rebalance_every)
+        sharded_selection=sharded_selection, rebalance_every=rebalance_every,
+        layer_floor=float(layer_floor))

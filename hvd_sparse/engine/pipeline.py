@@ -148,9 +148,15 @@ class Engine:
         self._watching = os.environ.get("HVD_SPARSE_DOWNLINK_WATCH", "on") != "off"
 
     # ----------------------------------------------------------------- small helpers
-    def _ctx(self, b, direction, watch=None):
+    def _ctx(self, b, direction, watch=None, whole=True):
+        """``whole``: the selection is over the whole bucket (not a sharded region), where a
+        layer floor applies."""
+        floor = self.config.layer_floor if whole and len(b.params) > 1 else 0.0
+        segments = tuple((off, off + hi - lo) for off, (lo, hi) in zip(b.offsets, b.slices)) \
+            if floor else None
         return SelectionContext(bucket=b.name, step=self.steps, rank=self.transport.rank(),
-                                direction=direction, watch=watch)
+                                direction=direction, watch=watch, segments=segments,
+                                layer_floor=floor)
 
     def densities(self):
         """This step's (uplink, downlink) density: the targets, or on the warm-up's and the
@@ -365,11 +371,14 @@ class Engine:
         return self.state[b.index].collective
 
     def _exact_by_allgather(self, b) -> bool:
-        """A Top-K downlink under the global rule whose histograms would cost more than
-        sharding saves (small buckets at a few ranks, every bucket at two) goes by allgather,
-        where every rank picks the exact global Top-K itself; from the configured densities,
-        so the choice stays the same through a density warm-up."""
+        """A downlink under a layer floor, or a Top-K downlink under the global rule whose
+        histograms would cost more than sharding saves (small buckets at a few ranks, every
+        bucket at two) goes by allgather, where every rank picks the exact selection itself;
+        from the configured densities, so the choice stays the same through a density
+        warm-up."""
         c = self.config
+        if c.bidirectional and c.layer_floor and len(b.params) > 1:
+            return True  # an owner sees one region: the layer floor needs the whole bucket
         if not self._global_rule(b):
             return False
         pair = _itemsize(b.index_dtype) + _itemsize(c.value_dtype or b.dtype)
@@ -1074,7 +1083,7 @@ class Engine:
         ops = kernels.ops_for(region)
         if c.bidirectional:
             _, down_density = self.densities()
-            ctx = self._ctx(b, "down")
+            ctx = self._ctx(b, "down", whole=False)
             with self.clock.stage("downlink_select", b.index):
                 if threshold is not None:
                     sel = fused.threshold(ops, None, region, threshold)

@@ -107,6 +107,45 @@ def topk(ops, g, r, k: int, watch=None) -> Selection:
     return topk_scanned(ops, g, r, k)[0]
 
 
+def topk_floored(ops, g, r, density: float, segments, floor: float) -> Selection:
+    """Top-K with a per-segment floor (:mod:`hvd_sparse.sparsifiers.layer_floor`): the
+    bucket's global Top-K by one scan, then the floor rule on that short list; a segment the
+    global set holds too few of (starved) is read once more on its own. (The downlink's watch
+    is not used: the floor changes the selection it would keep its list for.)"""
+    from ..sparsifiers import layer_floor
+    from ..sparsifiers.base import topk_of
+
+    n = r.numel()
+    k = layer_floor.budget(n, segments, density, floor)
+    sel = topk(ops, g, r, k)
+    if sel.nonfinite or k >= n:
+        return sel
+    counts = layer_floor.floors(segments, density, floor)
+    bounds = torch.tensor([hi for _, hi in segments], dtype=sel.idx.dtype,
+                          device=sel.idx.device)
+    have = torch.bincount(torch.bucketize(sel.idx, bounds, right=True),
+                          minlength=len(segments)).tolist()
+    starved = {}
+    for i, ((lo, hi), f) in enumerate(zip(segments, counts)):
+        if f > have[i]:
+            acc = _acc_segment(ops, g, r, lo, hi)
+            pos = topk_of(acc.abs(), f)
+            starved[i] = (pos + lo, acc[pos].clone())
+    idx, val = layer_floor.refine(sel.idx, sel.acc_values, segments, counts, starved, k)
+    return Selection(idx, val, val, energy=sel.energy)
+
+
+def _acc_segment(ops, g, r, lo: int, hi: int) -> torch.Tensor:
+    """``acc = g + r`` on ``[lo, hi)``: where a scan wrote it already, else computed there."""
+    if getattr(ops, "written", False) and g is ops.g and r is ops.r:
+        return ops.into[lo:hi]
+    if getattr(ops, "pending", False) and g is ops.g:
+        ops.materialize()
+    if g is None:
+        return r[lo:hi]
+    return g[lo:hi].to(r.dtype) + r[lo:hi]
+
+
 def topk_scanned(ops, g, r, k: int):
     """:func:`topk` by a scan: (selection, candidate indices, candidate values, threshold),
     where the candidates are every entry with ``|acc| >= threshold``, so every other entry is

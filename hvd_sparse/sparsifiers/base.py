@@ -26,6 +26,15 @@ class SelectionContext:
     # (:class:`~hvd_sparse.kernels.watch.ResidualWatch`), for methods that can use it; a method
     # that hands it to a selection must return that selection unchanged (the list assumes it)
     watch: Optional[object] = field(default=None, compare=False, repr=False)
+    # a bucket of several tensors under ``layer_floor`` > 0: each tensor's (start, end) in the
+    # bucket, and the fraction of its own Top-K each keeps (methods that take it, see
+    # ``supports_layer_floor``; :mod:`hvd_sparse.sparsifiers.layer_floor`)
+    segments: Optional[Tuple[Tuple[int, int], ...]] = None
+    layer_floor: float = 0.0
+
+    @property
+    def floored(self) -> bool:
+        return self.layer_floor > 0 and self.segments is not None and len(self.segments) > 1
 
 
 def k_for_density(numel: int, density: float) -> int:
@@ -77,6 +86,8 @@ class Sparsifier:
     name = "base"
     #: the payload carries one value for all positions (SBC) instead of one value per position
     constant_value = False
+    #: the method honours ``SelectionContext.layer_floor`` (a per-tensor floor in a bucket)
+    supports_layer_floor = False
 
     def select(self, acc: torch.Tensor, density: float, ctx: SelectionContext) -> torch.Tensor:
         """Return int64 positions (ascending, unique) of the entries of ``acc`` to send."""

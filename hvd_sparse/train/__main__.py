@@ -39,6 +39,10 @@ def parse_args(argv=None):
                    help="re-sparsify the aggregate (default: yes, except where each rank's "
                         "update is exchanged; see exchange_defaults)")
     p.add_argument("--scope", default="tensor", choices=["tensor", "model", "bucket"])
+    p.add_argument("--layer-floor", type=float, default=0.0,
+                   help="Top-K in a bucket of several tensors (--scope model or bucket): the "
+                        "share of each tensor's own Top-K it keeps before the rest of the "
+                        "budget goes to the largest entries anywhere")
     p.add_argument("--deterministic-dense", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--cost-model", default="time", choices=["time", "bytes", "off"],
                    help="per-bucket dense fallback: from measured time (default), bytes, or never")
@@ -207,6 +211,8 @@ def build_optimizer(args, model, base, hvd):
     extra["density_warmup_steps"] = args.density_warmup_steps
     extra["dense_warmup_steps"] = args.dense_warmup_steps
     extra["min_sparse_numel"] = args.min_sparse_numel
+    if args.layer_floor:
+        extra["layer_floor"] = args.layer_floor
     if args.momentum_correction:
         extra["momentum_correction"] = args.momentum
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),

@@ -72,6 +72,8 @@ def configs():
     dens = 0.05
     return {
         "topk": dict(sparsifier="topk"),
+        # one bucket for the model, each tensor keeping half its own Top-K (layer_floor)
+        "topk_floor": dict(sparsifier="topk", scope="model", layer_floor=0.5),
         "gaussiank": dict(sparsifier="gaussiank"),
         "threshold": dict(sparsifier="threshold", threshold=common_threshold(dens)),
         "adaptive": dict(sparsifier="adaptive", total_steps=STEPS),

@@ -1,0 +1,157 @@
+"""Top-K with a per-tensor floor in a bucket of several tensors (``layer_floor``): the plain
+definition's properties, its fused form equal to it bit for bit on every CPU backend, and the
+engine giving the same bits on its fused and plain paths."""
+import pytest
+import torch
+
+import hvd_sparse
+from hvd_sparse import kernels
+from hvd_sparse.kernels import cpu
+from hvd_sparse.sparsifiers import TopK, layer_floor
+from hvd_sparse.sparsifiers.base import SelectionContext, k_for_density, topk_indices
+from hvd_sparse.transport import LocalTransport
+
+
+def _bucket(seed, ties=False):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 3000, (int(torch.randint(2, 7, (1,), generator=gen)),),
+                          generator=gen).tolist()
+    segments, off = [], 0
+    for n in sizes:
+        segments.append((off, off + n))
+        off += n
+    # tensors whose magnitudes differ by orders, as a model's layers do
+    scales = (10.0 ** (torch.rand(len(sizes), generator=gen) * 4 - 3)).tolist()
+    g = torch.cat([torch.randn(n, generator=gen) * s for n, s in zip(sizes, scales)])
+    if ties:
+        g = (g * 4).round() / 4
+    r = torch.randn(off, generator=gen) * 0.01
+    return g, r, tuple(segments)
+
+
+def _ctx(segments, floor):
+    return SelectionContext("bucket", segments=segments, layer_floor=floor)
+
+
+@pytest.mark.parametrize("floor", [0.25, 0.5, 1.0])
+@pytest.mark.parametrize("seed", range(8))
+def test_each_tensor_keeps_its_floor_and_the_count_is_the_budget(seed, floor):
+    g, _, segments = _bucket(seed)
+    density = 0.02
+    idx = TopK().select(g, density, _ctx(segments, floor))
+    assert idx.numel() == layer_floor.budget(g.numel(), segments, density, floor)
+    assert torch.equal(idx, torch.unique(idx))  # ascending, unique
+    for (lo, hi), f in zip(segments, layer_floor.floors(segments, density, floor)):
+        mine = idx[(idx >= lo) & (idx < hi)]
+        assert mine.numel() >= f
+        # the tensor's own top f entries are among them
+        assert set((lo + topk_indices(g[lo:hi], f)).tolist()) <= set(mine.tolist())
+
+
+def test_floor_one_is_layerwise_and_zero_is_global():
+    g, _, segments = _bucket(3)
+    density = 0.05
+    per_tensor = torch.cat([lo + topk_indices(g[lo:hi], k_for_density(hi - lo, density))
+                            for lo, hi in segments])
+    assert torch.equal(TopK().select(g, density, _ctx(segments, 1.0)), per_tensor)
+    ctx = _ctx(segments, 0.0)
+    assert not ctx.floored
+    assert torch.equal(TopK().select(g, density, ctx),
+                       topk_indices(g, k_for_density(g.numel(), density)))
+
+
+def test_a_starved_tensor_gets_entries_that_global_topk_denies_it():
+    g, _, segments = _bucket(5)
+    lo, hi = segments[0]
+    g[lo:hi] *= 1e-6  # far below every other tensor
+    k = k_for_density(g.numel(), 0.02)
+    assert not ((topk_indices(g, k) >= lo) & (topk_indices(g, k) < hi)).any()
+    idx = TopK().select(g, 0.02, _ctx(segments, 0.5))
+    assert ((idx >= lo) & (idx < hi)).sum() == layer_floor.floors(segments, 0.02, 0.5)[0]
+
+
+def _backends():
+    out = [kernels.reference]
+    if cpu.available():
+        out.append(kernels.cpu)
+    return out
+
+
+@pytest.mark.parametrize("ops", _backends(), ids=lambda o: o.__name__.split(".")[-1])
+@pytest.mark.parametrize("floor", [0.1, 0.5, 1.0])
+@pytest.mark.parametrize("seed", range(6))
+def test_fused_form_equals_the_definition(ops, floor, seed):
+    g, r, segments = _bucket(seed, ties=seed % 2 == 1)
+    for density in (0.003, 0.05, 0.4):
+        ctx = _ctx(segments, floor)
+        acc = g + r
+        want = TopK().select(acc, density, ctx)
+        for grad, res in ((g, r.clone()), (None, acc.clone())):  # uplink, downlink
+            sel = TopK().fused(ops, grad, res, density, ctx)
+            assert torch.equal(sel.idx, want), (density, floor)
+            assert torch.equal(sel.values, acc[want])
+
+
+@pytest.mark.skipif(not cpu.available(), reason="numba is not installed")
+def test_fused_form_reads_the_gradient_in_pieces():
+    """The engine's path for a multi-parameter bucket on one thread: the scan reads p.grad's
+    pieces and writes acc into a buffer; a starved tensor is then read from that buffer."""
+    g, r, segments = _bucket(11)
+    g[segments[1][0]:segments[1][1]] *= 1e-6
+    acc = g + r
+    parts = [(g[lo:hi].clone(), lo) for lo, hi in segments]
+    into = torch.full_like(g, float("nan"))
+    ops = cpu.AccumulatingOps(into, r, into, parts)
+    ctx = _ctx(segments, 0.5)
+    sel = TopK().fused(ops, into, r, 0.01, ctx)
+    want = TopK().select(acc, 0.01, ctx)
+    assert torch.equal(sel.idx, want) and torch.equal(sel.values, acc[want])
+
+
+class _PlainTopK(TopK):
+    """The same method without its fused form: the engine's plain path."""
+
+    def fused(self, ops, grad, residual, density, ctx):
+        return None
+
+
+def _train(sparsifier, floor, bidirectional, steps=8):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 200), torch.nn.ReLU(),
+                                torch.nn.Linear(200, 7))
+    opt = hvd_sparse.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=model.named_parameters(), sparsifier=sparsifier, density=0.02,
+        scope="model", layer_floor=floor, bidirectional=bidirectional, min_sparse_numel=0,
+        cost_model="off", check_config=False, transport=LocalTransport())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(16, 30, generator=gen), torch.randint(0, 7, (16,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_engine_fused_and_plain_paths_give_the_same_bits(bidirectional):
+    model, opt = _train(TopK(), 0.5, bidirectional)
+    ref, ref_opt = _train(_PlainTopK(), 0.5, bidirectional)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    stats = opt.communication_stats()
+    assert stats["selected"] == stats["target"] == layer_floor.budget(
+        sum(p.numel() for p in model.parameters()),
+        [(0, 6000), (6000, 6200), (6200, 7600), (7600, 7607)], 0.02, 0.5)
+
+
+def test_floor_is_refused_for_a_method_without_one():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="layer_floor"):
+        hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+            sparsifier="gaussiank", layer_floor=0.5, transport=LocalTransport())
+    with pytest.raises(ValueError, match="layer_floor"):
+        hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+            layer_floor=1.5, transport=LocalTransport())
