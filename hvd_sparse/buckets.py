@@ -96,8 +96,8 @@ def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str
                  max_bucket_numel: Optional[int] = None) -> List[Bucket]:
     """Group ``(name, parameter)`` pairs (in optimizer order) into buckets.
 
-    Buckets whose total size is below ``min_sparse_numel`` entries are sent dense (with
-    ``scope="tensor"``, such tensors are packed into one dense bucket per dtype and device);
+    Tensors below ``min_sparse_numel`` entries are packed into one dense bucket per dtype and
+    device (Horovod's ``groups`` excepted: there a group below it goes dense as a whole);
     buckets above ``max_bucket_numel`` entries are split (a large parameter across several
     buckets).
     """
@@ -120,24 +120,29 @@ def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str
                 if chunk:
                     chunks.append(chunk)
             chunks += [[(n, p)] for n, p in params if id(p) not in grouped]
-    elif scope == "tensor":
+    else:
         # the tensors too small to sparsify travel together, one dense bucket per dtype and
         # device: one launch and one allreduce instead of one per bias or norm weight (the
         # per-bucket Python costs more than their bytes); first in the list, so launched last,
-        # when backward has reached the first layers' biases anyway
+        # when backward has reached the first layers' biases anyway. Under every scope: in a
+        # bucket with large tensors a norm weight would get a few entries a step (with a
+        # layer floor) or wait its turn (without), where it costs next to nothing dense
         small = {}
         for n, p in params:
             if p.numel() < min_sparse_numel:
                 small.setdefault((p.dtype, p.device), []).append((n, p))
-        chunks = [c for c in small.values() if len(c) > 1]
+        chunks = list(small.values())
         packed.update(id(c) for c in chunks)
-        chunks += [[(n, p)] for n, p in params
-                   if p.numel() >= min_sparse_numel or len(small[(p.dtype, p.device)]) == 1]
+        params = [(n, p) for n, p in params if p.numel() >= min_sparse_numel]
+    if groups is not None:
+        pass
+    elif scope == "tensor":
+        chunks += [[(n, p)] for n, p in params]
     elif scope == "model":
         keyed = {}
         for n, p in params:
             keyed.setdefault((str(p.dtype), str(p.device)), []).append((n, p))
-        chunks = list(keyed.values())
+        chunks += list(keyed.values())
     else:
         cap = bucket_cap_mb * 2**20
         current, size = [], 0

@@ -449,7 +449,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     (Top-K in a bucket of several tensors: each first keeps this share of its own Top-K, the
     rest of the budget goes to the largest entries anywhere; 0, the default, is one Top-K per
     bucket), ``min_sparse_numel``
-    (smaller buckets go dense: see ``deterministic_dense``), ``max_bucket_numel`` (larger buckets, and
+    (smaller tensors go dense, together, under every scope; with ``groups``, smaller groups:
+    see ``deterministic_dense``), ``max_bucket_numel`` (larger buckets, and
     parameters, are split into several), ``transport`` (a :class:`hvd_sparse.transport.Transport`;
     default Horovod's collectives).
 

@@ -213,30 +213,37 @@ def test_bucket_plans_are_deterministic_and_complete():
         assert [(b.name, b.numel, b.tag) for b in plan] == [(b.name, b.numel, b.tag) for b in again]
         covered = sorted(n for b in plan for n in b.names)
         assert covered == sorted(n for n, _ in named)
-        assert all(b.sparse == (b.numel >= 100 and all(
-            p.numel() >= 100 for p in b.params) if scope == "tensor" else b.numel >= 100)
-            for b in plan)
-    # 0.weight and 1.weight alone; the four tensors under 1,024 entries as one dense bucket
+        # under every scope the tensors below min_sparse_numel travel dense, together
+        assert all(b.sparse == (b.numel >= 100 and all(p.numel() >= 100 for p in b.params))
+                   for b in plan)
+    # 0.weight and 1.weight alone (or together); the four tensors under 1,024 entries as one
+    # dense bucket
     assert len(buckets.plan_buckets(named, scope="tensor")) == 3
-    assert len(buckets.plan_buckets(named, scope="model")) == 1
+    model = buckets.plan_buckets(named, scope="model")
+    assert [(b.names, b.sparse) for b in model] == [
+        (["0.bias", "1.bias", "2.weight", "2.bias"], False), (["0.weight", "1.weight"], True)]
     explicit = buckets.plan_buckets(named, groups=[[m[0].weight, m[0].bias]])
     assert explicit[0].names == ["0.weight", "0.bias"] and len(explicit) == 5
     assert len(buckets.plan_buckets(named, groups=2)) == 2
 
 
 def test_small_tensors_travel_as_one_dense_bucket_per_dtype():
-    """Under scope="tensor", the tensors below min_sparse_numel form one dense bucket per
-    dtype, whatever their total, first in the list (launched last); a lone small tensor of a
-    dtype keeps its own bucket."""
+    """The tensors below min_sparse_numel form one dense bucket per dtype, whatever their
+    total, first in the list (launched last), under every scope."""
     m = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.LayerNorm(30),
                             torch.nn.Linear(30, 20))
     extra = torch.nn.Parameter(torch.zeros(7, dtype=torch.float64))
     named = list(m.named_parameters()) + [("extra", extra)]
     plan = buckets.plan_buckets(named, scope="tensor", min_sparse_numel=1000)
     assert [b.names for b in plan] == [
-        ["0.bias", "1.weight", "1.bias", "2.weight", "2.bias"], ["0.weight"], ["extra"]]
+        ["0.bias", "1.weight", "1.bias", "2.weight", "2.bias"], ["extra"], ["0.weight"]]
     assert plan[0].numel == 30 + 30 + 30 + 600 + 20 and not plan[0].sparse
-    assert plan[1].sparse and not plan[2].sparse
+    assert plan[2].sparse and not plan[1].sparse
+    for scope in ("model", "bucket"):  # the large tensors alone in the sparse buckets
+        plan = buckets.plan_buckets(named, scope=scope, min_sparse_numel=1000)
+        assert [(b.names, b.sparse) for b in plan] == [
+            (["0.bias", "1.weight", "1.bias", "2.weight", "2.bias"], False), (["extra"], False),
+            (["0.weight"], True)]
     # with a threshold below the packed total, still dense
     plan = buckets.plan_buckets(named, scope="tensor", min_sparse_numel=650)
     assert plan[0].names[0] == "0.bias" and plan[0].numel > 650 and not plan[0].sparse
