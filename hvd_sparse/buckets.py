@@ -91,6 +91,44 @@ def _split(chunk, max_numel):
         yield piece
 
 
+def _pack_small(params, min_sparse_numel):
+    """The tensors too small to sparsify travel together, one dense bucket per dtype and
+    device: one launch and one allreduce instead of one per bias or norm weight (the
+    per-bucket Python costs more than their bytes); first in the list, so launched last, when
+    backward has reached the first layers' biases anyway. Under every scope: in a bucket with
+    large tensors a norm weight would get a few entries a step (with a layer floor) or wait
+    its turn (without), where it costs next to nothing dense. Returns (packed chunks, the
+    other tensors)."""
+    small = {}
+    for n, p in params:
+        if p.numel() < min_sparse_numel:
+            small.setdefault((p.dtype, p.device), []).append((n, p))
+    return list(small.values()), [(n, p) for n, p in params if p.numel() >= min_sparse_numel]
+
+
+def _scope_chunks(params, scope, bucket_cap_mb):
+    """The sparse tensors grouped by ``scope``."""
+    if scope == "tensor":
+        return [[(n, p)] for n, p in params]
+    if scope == "model":
+        keyed = {}
+        for n, p in params:
+            keyed.setdefault((str(p.dtype), str(p.device)), []).append((n, p))
+        return list(keyed.values())
+    chunks, current, size = [], [], 0
+    cap = bucket_cap_mb * 2**20
+    for n, p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > cap or p.dtype != current[0][1].dtype):
+            chunks.append(current)
+            current, size = [], 0
+        current.append((n, p))
+        size += nbytes
+    if current:
+        chunks.append(current)
+    return chunks
+
+
 def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str = "tensor",
                  bucket_cap_mb: float = 25.0, groups=None, min_sparse_numel: int = 1024,
                  max_bucket_numel: Optional[int] = None) -> List[Bucket]:
@@ -121,40 +159,9 @@ def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str
                     chunks.append(chunk)
             chunks += [[(n, p)] for n, p in params if id(p) not in grouped]
     else:
-        # the tensors too small to sparsify travel together, one dense bucket per dtype and
-        # device: one launch and one allreduce instead of one per bias or norm weight (the
-        # per-bucket Python costs more than their bytes); first in the list, so launched last,
-        # when backward has reached the first layers' biases anyway. Under every scope: in a
-        # bucket with large tensors a norm weight would get a few entries a step (with a
-        # layer floor) or wait its turn (without), where it costs next to nothing dense
-        small = {}
-        for n, p in params:
-            if p.numel() < min_sparse_numel:
-                small.setdefault((p.dtype, p.device), []).append((n, p))
-        chunks = list(small.values())
+        chunks, params = _pack_small(params, min_sparse_numel)
         packed.update(id(c) for c in chunks)
-        params = [(n, p) for n, p in params if p.numel() >= min_sparse_numel]
-    if groups is not None:
-        pass
-    elif scope == "tensor":
-        chunks += [[(n, p)] for n, p in params]
-    elif scope == "model":
-        keyed = {}
-        for n, p in params:
-            keyed.setdefault((str(p.dtype), str(p.device)), []).append((n, p))
-        chunks += list(keyed.values())
-    else:
-        cap = bucket_cap_mb * 2**20
-        current, size = [], 0
-        for n, p in reversed(params):
-            nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > cap or p.dtype != current[0][1].dtype):
-                chunks.append(current)
-                current, size = [], 0
-            current.append((n, p))
-            size += nbytes
-        if current:
-            chunks.append(current)
+        chunks += _scope_chunks(params, scope, bucket_cap_mb)
 
     buckets = []
     for chunk in chunks:
