@@ -56,6 +56,11 @@ class Bucket:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    @property
+    def segments(self) -> Tuple[Tuple[int, int], ...]:
+        """Each parameter's (start, end) within the bucket's flat entries."""
+        return tuple((off, off + hi - lo) for off, (lo, hi) in zip(self.offsets, self.slices))
+
 
 def _split_list(items: list, n: int) -> List[list]:
     """Split into n contiguous, near-equal chunks (Horovod's rule for ``groups=int``)."""

@@ -152,11 +152,9 @@ class Engine:
         """``whole``: the selection is over the whole bucket (not a sharded region), where a
         layer floor applies."""
         floor = self.config.layer_floor if whole and len(b.params) > 1 else 0.0
-        segments = tuple((off, off + hi - lo) for off, (lo, hi) in zip(b.offsets, b.slices)) \
-            if floor else None
         return SelectionContext(bucket=b.name, step=self.steps, rank=self.transport.rank(),
-                                direction=direction, watch=watch, segments=segments,
-                                layer_floor=floor)
+                                direction=direction, watch=watch,
+                                segments=b.segments if floor else None, layer_floor=floor)
 
     def densities(self):
         """This step's (uplink, downlink) density: the targets, or on the warm-up's and the
