@@ -72,16 +72,19 @@ def check_mpi(path):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     runs = {}
-    cases = [(c, s, 512) for c in ("allgather", "sharded") for s in ("topk", "gaussiank", "sbc")]
-    cases.append(("sharded", "topk", 8192))  # a 2M-entry layer: the global threshold rule
-    for collective, sparsifier, width in cases:
+    cases = [(c, s, 512, 0.0) for c in ("allgather", "sharded")
+             for s in ("topk", "gaussiank", "sbc")]
+    cases.append(("sharded", "topk", 8192, 0.0))  # a 2M-entry layer: the global threshold rule
+    cases.append(("allgather", "topk", 512, 0.5))  # a floor per tensor in the one bucket
+    for collective, sparsifier, width, floor in cases:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.ReLU(),
                                     torch.nn.Linear(width, 10)).cuda()
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
             named_parameters=model.named_parameters(), density=0.01, cost_model="off",
-            min_sparse_numel=0, collective=collective, sparsifier=sparsifier)
+            min_sparse_numel=0, collective=collective, sparsifier=sparsifier,
+            layer_floor=floor, scope="model" if floor else "tensor")
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         gen = torch.Generator().manual_seed(100 + rank)
         for _ in range(50):
@@ -92,7 +95,7 @@ def check_mpi(path):
             opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         digests = hvd.allgather_object(flat.numpy().tobytes())
-        runs[f"{collective}/{sparsifier}/width{width}"] = {
+        runs[f"{collective}/{sparsifier}/width{width}" + (f"/floor{floor}" if floor else "")] = {
             "replicas_identical": all(d == digests[0] for d in digests),
             "finite": bool(torch.isfinite(flat).all()),
             "stats": opt.communication_stats()}

@@ -21,7 +21,7 @@ echo "== 1. kernels: fused forms on CUDA equal their torch definitions"
 if "$PY" -c "import pytest" 2>/dev/null; then
   # every test that has a CUDA case: kernels, Golomb coder, payload decoding on the device
   "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-    tests/test_kernels.py tests/test_units.py tests/test_sparsifiers.py \
+    tests/test_kernels.py tests/test_units.py tests/test_sparsifiers.py tests/test_layer_floor.py \
     -k "cupy or cuda or golomb or decode_where" 2>&1 | tee "$DEST/gpu_tests.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

@@ -277,6 +277,17 @@ def test_sample_positions_are_made_once_per_length():
     assert np.array_equal(select.all_positions(77), np.arange(77))
 
 
+def test_cupy_scan_raises_a_subnormal_threshold_to_a_normal_one():
+    """CuPy compiles with -ftz=true: the floor TINY would read as zero in the kernel and make
+    every zero a candidate (seen on an H200: SBC's short side sent zeros). Plain CPU check of
+    the rule; the CUDA cases of test_sbc_side_short_of_k run it on a GPU."""
+    normal = np.finfo(np.float32).tiny
+    assert cuda.kernel_threshold(select.TINY) == normal
+    assert cuda.kernel_threshold(normal / 4) == normal
+    for t in (0.0, -np.inf, np.inf, -1.0, normal, 2.5):
+        assert cuda.kernel_threshold(t) == np.float32(t)
+
+
 def test_dispatch_and_helpers(monkeypatch):
     f32, f64 = torch.zeros(4), torch.zeros(4, dtype=torch.float64)
     assert kernels.backend_for(f64) == "torch"

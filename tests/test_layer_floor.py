@@ -6,7 +6,7 @@ import torch
 
 import hvd_sparse
 from hvd_sparse import kernels
-from hvd_sparse.kernels import cpu
+from hvd_sparse.kernels import cpu, cuda
 from hvd_sparse.sparsifiers import TopK, layer_floor
 from hvd_sparse.sparsifiers.base import SelectionContext, k_for_density, topk_indices
 from hvd_sparse.transport import LocalTransport
@@ -77,19 +77,34 @@ def _backends():
     return out
 
 
-@pytest.mark.parametrize("ops", _backends(), ids=lambda o: o.__name__.split(".")[-1])
+def _backends_and_gpu():
+    """(ops, scan): the CPU backends, and the CUDA kernels by their direct Top-K and by the
+    sample-and-scan plan that longer buckets take."""
+    skip = pytest.mark.skipif(not cuda.available(), reason="no CUDA device with CuPy here: "
+                              "the GPU forms run in benchmarks/gpu_check.sh")
+    out = [pytest.param(o, False, id=o.__name__.split(".")[-1]) for o in _backends()]
+    out += [pytest.param(cuda, False, id="cupy-direct", marks=skip),
+            pytest.param(cuda, True, id="cupy-scan", marks=skip)]
+    return out
+
+
+@pytest.mark.parametrize("ops,scan", _backends_and_gpu())
 @pytest.mark.parametrize("floor", [0.1, 0.5, 1.0])
 @pytest.mark.parametrize("seed", range(6))
-def test_fused_form_equals_the_definition(ops, floor, seed):
+def test_fused_form_equals_the_definition(ops, scan, floor, seed, monkeypatch):
+    if scan:
+        monkeypatch.setattr(cuda, "DIRECT_TOPK_MAX", 0)
+    device = "cuda" if ops is cuda else "cpu"
     g, r, segments = _bucket(seed, ties=seed % 2 == 1)
     for density in (0.003, 0.05, 0.4):
         ctx = _ctx(segments, floor)
         acc = g + r
         want = TopK().select(acc, density, ctx)
         for grad, res in ((g, r.clone()), (None, acc.clone())):  # uplink, downlink
-            sel = TopK().fused(ops, grad, res, density, ctx)
-            assert torch.equal(sel.idx, want), (density, floor)
-            assert torch.equal(sel.values, acc[want])
+            grad = None if grad is None else grad.to(device)
+            sel = TopK().fused(ops, grad, res.to(device), density, ctx)
+            assert torch.equal(sel.idx.cpu(), want), (density, floor)
+            assert torch.equal(sel.values.cpu(), acc[want])
 
 
 @pytest.mark.skipif(not cpu.available(), reason="numba is not installed")

@@ -154,6 +154,20 @@ class Scan(NamedTuple):
     values: torch.Tensor = None
 
 
+#: the smallest normal float32
+NORMAL_TINY = np.finfo(np.float32).tiny
+
+
+def kernel_threshold(t) -> np.float32:
+    """``t`` as the scan kernel compares it. CuPy compiles every kernel with ``-ftz=true``, so
+    a subnormal threshold (the selection's floor TINY, meant to keep zeros out) would read as
+    zero there and make every zero a candidate: such a threshold is raised to the smallest
+    normal float. The kernel's own sums flush the same way, so a subnormal entry reads as zero
+    either way; no other threshold changes."""
+    t = np.float32(t)
+    return NORMAL_TINY if np.float32(0) < t < NORMAL_TINY else t
+
+
 def _launch(g, r, thi, tlo, cap):
     """One scan kernel with room for ``cap`` candidates: (count, bad, idx, values)."""
     n = r.numel()
@@ -173,7 +187,7 @@ def _launch(g, r, thi, tlo, cap):
 def scan(g, r, t_hi, t_lo, expect=None) -> Scan:
     """Count (and, given ``expect``, collect into room for about twice that) the entries with
     ``acc >= t_hi or acc <= -t_lo``; look for NaN/Inf. Reads ``g`` and ``r`` once."""
-    thi, tlo = np.float32(t_hi), np.float32(t_lo)
+    thi, tlo = kernel_threshold(t_hi), kernel_threshold(t_lo)
     cap = 0 if expect is None else min(r.numel(), 2 * int(expect) + 1024)
     count, bad, idx, val = _launch(g, r, thi, tlo, cap)
     if count <= cap and not bad:
