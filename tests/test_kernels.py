@@ -106,6 +106,7 @@ def test_sbc_rescans_a_side_its_sample_aimed_too_high_for(ops, downlink, monkeyp
     """The sample sees only large negatives, while most of the k largest are small ones off
     the sampled blocks: the first scan finds fewer than k negatives above the sampled
     threshold, and the side is scanned again from the smallest positive one."""
+    monkeypatch.setattr(cuda, "DIRECT_SBC_MAX", 0)  # the scan path's rule, on a GPU too
     n, density = 300_000, 0.01
     k = k_for_density(n, density)
     sampled = torch.zeros(n, dtype=torch.bool)
@@ -193,13 +194,17 @@ def test_cupy_scan_path_equals_definition(monkeypatch):
     """With the direct form switched off, the sample-and-scan plan that longer vectors take on
     a GPU gives the definition's result on the same inputs as test_fused_equals_definition."""
     monkeypatch.setattr(cuda, "DIRECT_TOPK_MAX", 0)
-    for method in ("topk", "adaptive", "gaussiank"):
+    monkeypatch.setattr(cuda, "DIRECT_SBC_MAX", 0)
+    for method in ("topk", "adaptive", "gaussiank", "sbc"):
         for kind in ("random", "heavy", "all_equal", "quantised", "negative_zero",
                      "mostly_zero"):
             for n, density in ((2, 0.5), (1000, 0.01), (300_000, 0.001), (1 << 20, 0.001)):
                 for downlink in (False, True):
                     grad, res = inputs(kind, n, n + int(density * 1000), "cuda")
                     got = run_both(cuda, SPARSIFIERS[method](), grad, res, density, downlink)
+                    if got is None:  # SBC on a vector too short to sample: the plain path
+                        assert method == "sbc"
+                        continue
                     assert_same(*got, (method, kind, n, density, downlink))
 
 
@@ -275,6 +280,42 @@ def test_sample_positions_are_made_once_per_length():
     assert select.sample_positions(10_000_000) is select.sample_positions(10_000_000)
     assert select.sample_positions(1000) is None
     assert np.array_equal(select.all_positions(77), np.arange(77))
+
+
+@pytest.mark.parametrize("kind", ["random", "heavy", "all_equal", "quantised", "negative_zero",
+                                  "mostly_zero", "one_sign", "short_side"])
+@pytest.mark.parametrize("n,density", [(40_000, 0.01), (300_000, 0.001), (100_003, 0.05)])
+@pytest.mark.parametrize("downlink", [False, True], ids=["up", "down"])
+def test_sbc_direct_form_equals_the_definition(kind, n, density, downlink):
+    """The GPU's direct SBC (plain torch, so it runs here on the CPU) against the definition:
+    both sides' picks with the lowest-index tie rule, short sides, the choice by mean."""
+    if kind == "one_sign":
+        grad, res = torch.rand(n, generator=torch.Generator().manual_seed(n)) + 0.1, \
+            torch.zeros(n)
+    elif kind == "short_side":  # fewer than k negatives, each larger than every positive
+        grad, res = inputs("mostly_zero", n, 7)
+        k = k_for_density(n, density)
+        grad = grad.abs()
+        grad[torch.randperm(n, generator=torch.Generator().manual_seed(1))[:k // 3]] = -9.0
+    else:
+        grad, res = inputs(kind, n, n + 3)
+
+    class Direct:  # the CPU torch primitives with the CUDA module's direct SBC
+        sbc_direct = staticmethod(cuda.sbc_direct)
+        DIRECT_SBC_MAX = cuda.DIRECT_SBC_MAX
+
+        def __getattr__(self, name):
+            return getattr(reference, name)
+
+    got = run_both(Direct(), SparseBinary(), grad, res, density, downlink)
+    assert got is not None
+    assert_same(*got, (kind, n, density, downlink))
+
+
+def test_sbc_direct_form_flags_nonfinite():
+    g, r = torch.randn(5000), torch.zeros(5000)
+    g[17] = float("nan")
+    assert cuda.sbc_direct(g, r, 50).nonfinite
 
 
 def test_cupy_scan_raises_a_subnormal_threshold_to_a_normal_one():

@@ -291,6 +291,28 @@ def test_fixed_point_sum_compiled_form_has_the_torch_form_bits(monkeypatch):
     assert compiled == [sums.fixed_point_sum(x, square) for x in cases for square in (False, True)]
 
 
+@pytest.mark.parametrize("device", GOLOMB_DEVICES)
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+def test_fixed_point_sums_read_together_give_each_sums_bits(device, compiled, monkeypatch):
+    """SBC's two side means are read from a device in one go: the same bits as one sum at a
+    time, with an empty list entry, a NaN and an Inf among them."""
+    from hvd_sparse.kernels import sums
+
+    if not compiled:
+        monkeypatch.setattr(sums, "_fixed_point", None)
+    g = torch.Generator().manual_seed(8)
+    cases = [torch.randn(50_000, generator=g), torch.zeros(0), torch.randn(7, generator=g) * 1e9,
+             torch.tensor([1.0, math.nan]), torch.tensor([2.0, -math.inf]),
+             torch.rand(3000, generator=g, dtype=torch.float64)]
+    cases = [x.to(device) for x in cases]
+    for square in (False, True):
+        one_by_one = [sums.fixed_point_sums([x], square)[0] for x in cases]
+        together = sums.fixed_point_sums(cases, square)
+        assert [repr(v) for v in together] == [repr(v) for v in one_by_one]  # NaN == NaN
+        assert together[1] == 0.0 and math.isnan(together[3])
+        assert together[0] == sums.fixed_point_sum(cases[0], square)
+
+
 @pytest.mark.parametrize("density,expected", [(0.001, 11.49), (0.01, 8.11)])
 def test_golomb_bits_approach_the_entropy_bound(density, expected):
     rng = np.random.default_rng(0)

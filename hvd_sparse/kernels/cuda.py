@@ -238,6 +238,53 @@ def topk_direct(g, r, k: int):
     return Selection(idx, values, values)
 
 
+#: entries: up to this length SBC takes :func:`sbc_direct` instead of the sample-and-scan plan,
+#: whose host reads and small launches (about a dozen reads per selection) left SBC's GPU step
+#: at 2.6-2.9x Top-K's (benchmarks/results/gpu_profile_2026-11-27: 3.3 ms of device work in a
+#: 9.4 ms step at 11.4M). Measured on an H200 in one run (gpu_sbc_direct_2026-11-27), engine
+#: step: 11.4M entries 6.1 ms direct against 7.1 by the scan; 32M 10.5 against 7.7 (two
+#: ``torch.topk`` of 320k out of 32M cost more than the scan saves). The bound lies between
+#: and was not measured closer
+DIRECT_SBC_MAX = 1 << 24
+
+
+def sbc_direct(g, r, k: int):
+    """SBC's selection (:func:`hvd_sparse.kernels.select.sbc`) of ``acc = g + r`` (``r`` when
+    ``g`` is None) by whole-vector torch operations and two host reads: the count of each sign
+    with the NaN/Inf flag, then both sides' means together. Each side: every entry of its sign
+    when it has at most k, else the k largest by ``torch.topk`` and the lowest-index ties (the
+    definition's rule), in index order. Plain torch, so it runs (and is tested) on a CPU too."""
+    from .select import _empty, binary_choice
+
+    acc = r if g is None else g + r
+    pos, neg = acc > 0, acc < 0
+    n_pos, n_neg, finite = torch.stack([pos.sum(), neg.sum(),
+                                        torch.isfinite(acc).all().long()]).tolist()
+    if not finite:
+        return _empty(r, True)
+    pi = _sbc_side(acc, pos, n_pos, k)
+    ni = _sbc_side(-acc, neg, n_neg, k)
+    return binary_choice(pi, acc[pi], ni, acc[ni])
+
+
+def _sbc_side(score, mask, count: int, k: int):
+    """The positions of SBC's side whose entries are ``mask`` (``score > 0``), in index order."""
+    if count <= k:
+        return _nonzero(mask, count)
+    t = torch.topk(score, k, sorted=False).values.min()  # above zero: more than k are
+    above = score > t
+    ties = score == t
+    return _nonzero(above | (ties & (torch.cumsum(ties, 0) <= k - above.sum())), k)
+
+
+def _nonzero(mask, size: int):
+    """Positions of the ``size`` set entries of ``mask``, without a count read where torch has
+    ``nonzero_static``."""
+    if hasattr(torch, "nonzero_static"):
+        return torch.nonzero_static(mask, size=size).reshape(-1)
+    return torch.nonzero(mask).reshape(-1)
+
+
 sample = reference.sample
 kth_magnitude = reference.kth_magnitude
 pick_topk = reference.pick_topk

@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .sums import fixed_point_sum
+from .sums import fixed_point_sum, fixed_point_sums
 
 INF = np.float32(np.inf)
 TINY = np.nextafter(np.float32(0), np.float32(1))  # the smallest positive float32
@@ -213,6 +213,9 @@ def sbc(ops, g, r, k: int, watch=None) -> Optional[Selection]:
     """
     if watch is not None and g is None:
         return watch.sbc(ops, r, k)
+    direct = getattr(ops, "sbc_direct", None)  # a backend's form for vectors of moderate length
+    if direct is not None and sbc_fits(r.numel(), k) and r.numel() <= ops.DIRECT_SBC_MAX:
+        return direct(g, r, k)
     return sbc_scanned(ops, g, r, k)[0]
 
 
@@ -268,8 +271,11 @@ def _side(ops, cidx, cval, k, sign, count):
 
 def binary_choice(pi, pv, ni, nv) -> Selection:
     """SBC's decision between its two picked sides: the one of larger mean magnitude (the
-    positive one on a tie), every position sent as that mean."""
-    mean_pos, mean_neg = binary_mean(pv), -binary_mean(nv)
+    positive one on a tie), every position sent as that mean (both means :func:`binary_mean`,
+    read from a device together)."""
+    sum_pos, sum_neg = fixed_point_sums([pv, nv])
+    mean_pos = sum_pos / pv.numel() if pv.numel() else 0.0
+    mean_neg = -(sum_neg / nv.numel()) if nv.numel() else -0.0
     idx, accv, mean = (pi, pv, mean_pos) if mean_pos >= mean_neg else (ni, nv, -mean_neg)
     return Selection(idx, torch.full_like(accv, mean), accv)
 

@@ -25,30 +25,51 @@ def fixed_point_sum(terms: torch.Tensor, square: bool = False) -> float:
     """``sum(terms)`` (``sum(terms ** 2)`` with ``square``) in float64, with the same bits for
     any order of the same terms; NaN or Inf when a term is. Float32, half, bfloat16 and float64
     terms are widened to float64 first (their squares are then exact, but for float64's)."""
-    x = terms.detach().reshape(-1)
-    if x.numel() == 0:
-        return 0.0
-    if x.device.type == "cpu" and _fixed_point is not None and \
-            x.dtype in (torch.float32, torch.float64):
-        units, shift, finite = _fixed_point(x.contiguous().numpy(), square)
-        if finite:
-            return math.ldexp(float(units), -shift)
-        x = x.to(torch.float64)
-        return float(torch.sum(x * x if square else x).item())  # NaN, or Inf
-    x = x.to(torch.float64)
-    if square:
-        x = torch.square(x)
+    return fixed_point_sums([terms], square)[0]
+
+
+def fixed_point_sums(terms_list, square: bool = False) -> list:
+    """:func:`fixed_point_sum` of each tensor in ``terms_list``, the same bits, with one host
+    read for all of those that lie on a device (SBC's two side means cost one read)."""
+    out, pending = [], []
+    for terms in terms_list:
+        x = terms.detach().reshape(-1)
+        if x.numel() == 0:
+            out.append(0.0)
+        elif x.device.type == "cpu" and _fixed_point is not None and \
+                x.dtype in (torch.float32, torch.float64):
+            units, shift, finite = _fixed_point(x.contiguous().numpy(), square)
+            out.append(math.ldexp(float(units), -shift) if finite else _plain_sum(x, square))
+        else:
+            x = x.to(torch.float64)
+            if square:
+                x = torch.square(x)
+            out.append(None)
+            pending.append((len(out) - 1, x, _parts(x)))
+    if pending:
+        read = torch.stack([p for _, _, p in pending]).tolist()  # the one host read
+        for (i, x, _), (n_units, e, top) in zip(pending, read):
+            out[i] = math.ldexp(n_units, -int(e)) if math.isfinite(top) \
+                else float(torch.sum(x).item())  # NaN, or Inf of the terms' sign
+    return out
+
+
+def _parts(x: torch.Tensor) -> torch.Tensor:
+    """(integer units, shift, largest magnitude) of float64 terms ``x``, as float64 where they
+    lie, not yet read."""
     peak = x.abs().max()
     room = 62 - x.numel().bit_length()  # n terms below 2**room each sum below 2**62
     # peak * 2**shift < 2**room; 2**shift built from its bits (exact on every device)
     shift = (room - torch.frexp(peak).exponent.to(torch.int64)).clamp_(-1022, 1023)
     scale = ((shift + 1023) << 52).view(torch.float64)
     units = torch.floor(x * scale).to(torch.int64).sum()
-    n_units, e, top = torch.stack([units.to(torch.float64), shift.to(torch.float64),
-                                   peak]).tolist()
-    if not math.isfinite(top):
-        return float(torch.sum(x).item())  # NaN, or Inf of the terms' sign
-    return math.ldexp(n_units, -int(e))
+    return torch.stack([units.to(torch.float64), shift.to(torch.float64), peak])
+
+
+def _plain_sum(x: torch.Tensor, square: bool) -> float:
+    """The float64 sum of terms of which one is NaN or Inf: NaN, or Inf."""
+    x = x.to(torch.float64)
+    return float(torch.sum(x * x if square else x).item())
 
 
 try:  # the CPU form: compiled when numba is there
