@@ -270,19 +270,11 @@ def sbc_direct(g, r, k: int):
 def _sbc_side(score, mask, count: int, k: int):
     """The positions of SBC's side whose entries are ``mask`` (``score > 0``), in index order."""
     if count <= k:
-        return _nonzero(mask, count)
+        return reference._nonzero_k(mask, count)
     t = torch.topk(score, k, sorted=False).values.min()  # above zero: more than k are
     above = score > t
     ties = score == t
-    return _nonzero(above | (ties & (torch.cumsum(ties, 0) <= k - above.sum())), k)
-
-
-def _nonzero(mask, size: int):
-    """Positions of the ``size`` set entries of ``mask``, without a count read where torch has
-    ``nonzero_static``."""
-    if hasattr(torch, "nonzero_static"):
-        return torch.nonzero_static(mask, size=size).reshape(-1)
-    return torch.nonzero(mask).reshape(-1)
+    return reference._nonzero_k(above | (ties & (torch.cumsum(ties, 0) <= k - above.sum())), k)
 
 
 sample = reference.sample
