@@ -94,6 +94,14 @@ def runs(args):
                 ("momcorr-floor0.5-warmup-cooldown", [
                     "--momentum-correction", "--scope", "model", "--layer-floor", "0.5",
                     "--density-warmup-steps", warm, "--density-cooldown-steps", warm]),
+                # DGC's momentum masking with exchanged updates, alone and with the cool-down
+                ("warmup-update-unidirectional-mask", [
+                    "--density-warmup-steps", warm, "--exchange", "update",
+                    "--no-bidirectional", "--momentum-masking"]),
+                ("warmup-update-unidirectional-mask-cooldown", [
+                    "--density-warmup-steps", warm, "--exchange", "update",
+                    "--no-bidirectional", "--momentum-masking", "--density-cooldown-steps",
+                    warm]),
                 # the downlink selection named, since the CLI drops it from 3 ranks
                 ("warmup-update-bidirectional", ["--density-warmup-steps", warm,
                                                  "--exchange", "update", "--bidirectional"]))},

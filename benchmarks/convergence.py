@@ -118,6 +118,14 @@ def levers(steps):
                                                 "--no-bidirectional", *warm],
         "topk1%-update-unidirectional-warmup-cooldown": ["--density", "0.01", *update,
                                                          "--no-bidirectional", *warm, *cool],
+        # DGC's momentum factor masking with exchanged updates (each rank's SGD momentum zeroed
+        # where it sent), alone and with the cool-down, which did nothing for updates without it
+        "topk1%-update-unidirectional-warmup-mask": ["--density", "0.01", *update,
+                                                     "--no-bidirectional", *warm,
+                                                     "--momentum-masking"],
+        "topk1%-update-unidirectional-warmup-mask-cooldown": [
+            "--density", "0.01", *update, "--no-bidirectional", *warm, *cool,
+            "--momentum-masking"],
         "topk1%-update-unidirectional-dense10": ["--density", "0.01", *update,
                                                  "--no-bidirectional",
                                                  "--dense-warmup-steps", "10"],

@@ -310,9 +310,35 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if engine.local_step_done() and self._hs_transport.included():
             try:
                 engine.exchange_deltas()
+                if engine.config.momentum_masking:
+                    self._hs_mask_momentum(engine.take_sent())
             finally:
                 self._hs_reset_round()
         return result
+
+    def _hs_mask_momentum(self, sent):
+        """DGC's momentum factor masking, where weight updates are exchanged: this rank's
+        momentum buffer is zeroed at the positions it just sent, so a coordinate whose
+        accumulated change has gone out restarts its momentum instead of pushing on with a
+        velocity that helped build what was sent. Dense buckets are left alone."""
+        for b, idx in sent:
+            if idx.numel() == 0:
+                continue
+            if len(b.params) > 1 and idx.numel() > 1 and not bool((idx[1:] >= idx[:-1]).all()):
+                idx = idx.sort().values
+            bounds = torch.tensor(list(b.offsets) + [b.numel], dtype=idx.dtype,
+                                  device=idx.device)
+            cuts = torch.searchsorted(idx, bounds).tolist() if len(b.params) > 1 \
+                else [0, idx.numel()]
+            for i, (p, off, (lo, hi)) in enumerate(zip(b.params, b.offsets, b.slices)):
+                buf = self.state.get(p, {}).get("momentum_buffer")
+                if buf is None or cuts[i] == cuts[i + 1]:
+                    continue
+                at = idx[cuts[i]:cuts[i + 1]].to(buf.device) + (lo - off)
+                flat = buf.reshape(-1)
+                flat.index_fill_(0, at, 0)
+                if flat.data_ptr() != buf.data_ptr():  # a non-contiguous buffer: copied back
+                    buf.copy_(flat.view(buf.shape))
 
     def zero_grad(self, *args, **kwargs):
         if self._hs_touched or self._hs_engine.inflight:
@@ -428,6 +454,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          nonfinite="propagate", verify_every=0, check_config=True,
                          collective="auto", sharded_selection="global",
                          rebalance_every=100, scope="tensor", layer_floor=0.0,
+                         momentum_masking=False,
                          bucket_cap_mb=25.0,
                          min_sparse_numel=1024,
                          max_bucket_numel=None,
@@ -468,7 +495,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     what error feedback still holds reaches the final model; measured in
     ``benchmarks/convergence.py``).
     DGC's aids: ``momentum_correction`` (velocity factor, with masking; use a base optimizer
-    without momentum), ``local_clip_norm``, ``density_warmup_steps``, ``dense_warmup_steps``.
+    without momentum), ``local_clip_norm``, ``density_warmup_steps``, ``dense_warmup_steps``,
+    and where weight updates are exchanged ``momentum_masking`` (the wrapped optimizer's
+    ``momentum_buffer``, SGD's, zeroed at the positions this rank sent; with it the density
+    cool-down helps exchanged updates: README "Convergence").
     ``local_steps`` > 1 is SBC's communication delay: that many local steps, then the accumulated
     weight update is exchanged instead of gradients. ``exchange="update"`` does that every step:
     each rank steps the wrapped optimizer on its own gradient and the weight change is sparsified
@@ -558,7 +588,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         value_dtype=value_dtype, nonfinite=nonfinite, verify_every=verify_every,
         check_config=check_config, collective=collective,
         sharded_selection=sharded_selection, rebalance_every=rebalance_every,
-        layer_floor=layer_floor)
+        layer_floor=layer_floor, momentum_masking=momentum_masking)
+    if momentum_masking and not any(g.get("momentum", 0) for g in optimizer.param_groups):
+        raise ValueError("momentum_masking=True needs a wrapped optimizer with momentum (SGD's "
+                         "momentum_buffer); this one has no 'momentum' > 0 in its param groups")
     if num_groups:
         warnings.warn("Parameter `num_groups` has been replaced by `groups`.", DeprecationWarning)
         groups = num_groups if groups is None else groups

@@ -94,6 +94,8 @@ class EngineConfig:
     # a bucket of several tensors: the share of each tensor's own Top-K it keeps before the
     # rest of the bucket's budget goes to the largest entries anywhere (0: one global Top-K)
     layer_floor: float = 0.0
+    # exchanged updates: this rank's momentum buffer zeroed where it sent (DGC's masking)
+    momentum_masking: bool = False
 
     def describe(self) -> dict:
         """The options as plain values, for the cross-rank configuration digest."""
@@ -161,7 +163,7 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
                  dense_fallback, cost_model, calibration_steps, recalibrate_every, value_dtype,
                  nonfinite, verify_every, check_config, collective="auto",
                  sharded_selection="global", rebalance_every=100,
-                 layer_floor=0.0) -> EngineConfig:
+                 layer_floor=0.0, momentum_masking=False) -> EngineConfig:
     """Validate the keywords of :func:`hvd_sparse.DistributedOptimizer` (clear errors naming
     the keyword) and freeze them."""
     from .. import compat
@@ -236,6 +238,12 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
             "rates, and releasing them at the end of a decaying schedule can undo training (a "
             "character Transformer with AdamW at density 0.001 diverged in its last steps); the "
             "cool-down is meant for gradient exchange", UserWarning, stacklevel=3)
+    if momentum_masking not in (True, False):
+        raise TypeError(f"momentum_masking must be True or False, got {momentum_masking!r}")
+    if momentum_masking and not (local_steps > 1 or exchange == "update"):
+        raise ValueError("momentum_masking=True applies where weight updates are exchanged "
+                         "(exchange='update' or local_steps > 1); where gradients are, "
+                         "momentum_correction masks its own velocity")
     if (local_steps > 1 or exchange == "update") and backward_passes_per_step != 1:
         raise ValueError("exchanging weight updates (local_steps > 1 or exchange='update') and "
                          "backward_passes_per_step > 1 cannot be combined")
@@ -272,4 +280,4 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         recalibrate_every=recalibrate_every, value_dtype=value_dtype, nonfinite=nonfinite,
         verify_every=verify_every, check_config=bool(check_config), collective=collective,
         sharded_selection=sharded_selection, rebalance_every=rebalance_every,
-        layer_floor=float(layer_floor))
+        layer_floor=float(layer_floor), momentum_masking=bool(momentum_masking))

@@ -135,6 +135,7 @@ class Engine:
         self._agreed_size: Optional[int] = None
         self.skip_step = False
         self._snapshots = {}  # residuals a non-finite step must give back (plain path, flush)
+        self._sent = {}  # momentum_masking: per bucket, the positions this rank sent last
         # buckets whose uplink scan put the parameters back at the anchor (exchanged updates)
         self._params_at_anchor = set()
         self._sparsifier_snapshot = None  # sparsifier state at the start of the round
@@ -607,6 +608,8 @@ class Engine:
     def _send(self, b, name, idx, wire_values, ctx, sparse_ids, target, error, commit,
               nonfinite=False):
         c = self.config
+        if c.momentum_masking:
+            self._sent[b.index] = idx
         if self.collective(b) == "sharded":
             rank = self.transport.rank()
             with self.clock.stage("encode", b.index):
@@ -1254,6 +1257,12 @@ class Engine:
             else:
                 self.launch(b, flat, delta=None if delta is None else delta[1:])
         self.finish("delta")
+
+    def take_sent(self):
+        """(bucket, positions this rank sent in it) of the last exchange's sparse buckets, for
+        ``momentum_masking``; forgotten once taken."""
+        sent, self._sent = self._sent, {}
+        return [(b, sent[b.index]) for b in self.buckets if b.index in sent]
 
     def _weight_change_parts(self, b):
         """A bucket's weight change left as ``params - anchor`` for the uplink scan to form

@@ -83,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--momentum-correction", action="store_true",
                    help="SGD: DGC's momentum correction (the engine keeps the velocity, with "
                         "--momentum as its factor; the wrapped SGD runs without momentum)")
+    p.add_argument("--momentum-masking", action="store_true",
+                   help="SGD with exchanged updates: zero the momentum buffer where a rank sent "
+                        "(DGC's masking); with it --density-cooldown-steps helps updates too")
     p.add_argument("--min-sparse-numel", type=int, default=1024,
                    help="tensors with fewer entries are exchanged dense")
     p.add_argument("--index-coding", default=None, choices=["auto", "plain", "golomb"],
@@ -183,7 +186,8 @@ def exchange_defaults(args, base) -> None:
     sparse = args.optimizer == "sparse"
     adaptive = isinstance(base, adaptive_optimizer_classes())
     if sparse and args.exchange == "auto" and not adaptive:
-        gradient_levers = args.momentum_correction or args.density_cooldown_steps
+        gradient_levers = args.momentum_correction or (args.density_cooldown_steps
+                                                       and not args.momentum_masking)
         args.exchange = "gradient" if gradient_levers else "update"
     updates = sparse and resolve_exchange(args.exchange, base, 1, 1) == "update"
     if args.bidirectional is None:
@@ -215,6 +219,8 @@ def build_optimizer(args, model, base, hvd):
         extra["layer_floor"] = args.layer_floor
     if args.momentum_correction:
         extra["momentum_correction"] = args.momentum
+    if args.momentum_masking:
+        extra["momentum_masking"] = True
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                     sparsifier=args.sparsifier, density=args.density,
                                     bidirectional=args.bidirectional,

@@ -1,0 +1,105 @@
+"""``momentum_masking``: with exchanged weight updates, each rank's SGD momentum buffer is
+zeroed exactly where that rank sent (DGC's momentum factor masking), nowhere else, in
+one-tensor and several-tensor buckets; clear errors where it cannot apply."""
+import pytest
+import torch
+
+import hvd_sparse
+from hvd_sparse.sparsifiers.base import k_for_density
+from hvd_sparse.transport import LocalTransport
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(30, 200), torch.nn.ReLU(),
+                               torch.nn.Linear(200, 7))
+
+
+def _step(masking, scope, steps=3):
+    """(model, wrapped optimizer, momentum buffers after the last local step's SGD but before
+    its exchange, those after it) for ``steps`` steps."""
+    model = _model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd_sparse.DistributedOptimizer(
+        base, named_parameters=model.named_parameters(), density=0.02, exchange="update",
+        bidirectional=False, scope=scope, min_sparse_numel=100, cost_model="off",
+        check_config=False, momentum_masking=masking, transport=LocalTransport())
+    gen = torch.Generator().manual_seed(1)
+    before = None
+    for step in range(steps):
+        x, y = torch.randn(16, 30, generator=gen), torch.randint(0, 7, (16,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if step == steps - 1:  # what plain SGD makes of this step's momentum
+            before = _plain_momentum(model, base)
+        opt.step()
+    after = [base.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    return model, opt, before, after
+
+
+def _plain_momentum(model, base):
+    out = []
+    for p in model.parameters():
+        buf = base.state[p]["momentum_buffer"]
+        out.append(buf * 0.9 + p.grad)
+    return out
+
+
+@pytest.mark.parametrize("scope", ["tensor", "model"])
+def test_momentum_is_zeroed_exactly_where_this_rank_sent(scope):
+    model, _, before, after = _step(True, scope)
+    sizes = [p.numel() for p in model.parameters()]
+    sparse = [n >= 100 for n in sizes]  # the 7-entry bias goes dense (min_sparse_numel)
+    zeroed = 0
+    for b, a, is_sparse in zip(before, after, sparse):
+        kept = a == b
+        gone = (a == 0) & (b != 0)
+        assert bool((kept | gone).all()), "the buffer changed other than by zeroing"
+        if not is_sparse:
+            assert not bool(gone.any()), "a dense tensor's momentum was masked"
+        zeroed += int(gone.sum())
+    # every entry this rank sent had a non-zero momentum (a random model's gradients), so
+    # the zeroed ones are exactly the k of each sparse bucket
+    buckets = [n for n, s in zip(sizes, sparse) if s] if scope == "tensor" \
+        else [sum(n for n, s in zip(sizes, sparse) if s)]
+    assert zeroed == sum(k_for_density(n, 0.02) for n in buckets)
+
+
+def test_without_masking_the_momentum_is_plain_sgds():
+    _, _, before, after = _step(False, "tensor")
+    for b, a in zip(before, after):
+        assert torch.allclose(a, b)
+
+
+def test_masking_changes_training_and_keeps_it_finite():
+    m1, *_ = _step(True, "tensor", steps=6)
+    m2, *_ = _step(False, "tensor", steps=6)
+    differ = any(not torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    assert differ
+    assert all(bool(torch.isfinite(p).all()) for p in m1.parameters())
+
+
+def test_masking_is_refused_where_gradients_are_exchanged():
+    model = _model()
+    with pytest.raises(ValueError, match="momentum_masking"):
+        hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters(), exchange="gradient",
+            momentum_masking=True, transport=LocalTransport())
+
+
+def test_masking_is_refused_without_momentum():
+    model = _model()
+    with pytest.raises(ValueError, match="momentum"):
+        hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+            exchange="update", momentum_masking=True, transport=LocalTransport())
+
+
+def test_masking_takes_a_bool():
+    model = _model()
+    with pytest.raises(TypeError, match="momentum_masking"):
+        hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters(), exchange="update",
+            momentum_masking="yes", transport=LocalTransport())
