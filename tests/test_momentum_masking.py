@@ -103,3 +103,20 @@ def test_masking_takes_a_bool():
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
             named_parameters=model.named_parameters(), exchange="update",
             momentum_masking="yes", transport=LocalTransport())
+
+
+def test_cooldown_with_updates_warns_unless_the_momentum_is_masked():
+    import warnings
+
+    def build(masking):
+        model = _model()
+        return hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters(), exchange="update", total_steps=100,
+            density_cooldown_steps=10, momentum_masking=masking, transport=LocalTransport())
+
+    with pytest.warns(UserWarning, match="momentum_masking"):
+        build(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        build(True)
