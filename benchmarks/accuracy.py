@@ -18,9 +18,12 @@ from common import RESULTS, machine, save, slownet, train_run
 
 
 def runs(args):
-    fm = ["--dataset", "fashion-mnist", "--model", "resnet", "--epochs", str(args.epochs)]
+    # momentum masking and the cool-down pinned off (the training CLI's SGD default since the
+    # twentieth session): each setting names what it uses
+    pin = ["--no-momentum-masking", "--density-cooldown-steps", "0"]
+    fm = ["--dataset", "fashion-mnist", "--model", "resnet", "--epochs", str(args.epochs), *pin]
     sh = ["--dataset", "shakespeare", "--model", "lstm", "--epochs", str(args.lstm_epochs),
-          "--steps-per-epoch", str(args.lstm_steps)]
+          "--steps-per-epoch", str(args.lstm_steps), *pin]
     # 10% of the Fashion-MNIST run (60,000 images, batch 64 per rank), for the density warm-up
     warm = str(max(1, args.epochs * (60000 // (64 * args.ranks)) // 10))
     return {name: _gradient_unless_named(extra) for name, extra in {

@@ -191,10 +191,11 @@ def levers(steps):
 def workloads(steps, evals):
     per = max(1, steps // evals)
     # the library's defaults unless a lever says otherwise (the training CLI's own defaults
-    # for adaptive optimizers are this study's best lever, topk1%-update-unidirectional-warmup)
+    # are this study's best levers: topk1%-update-unidirectional-warmup for adaptive
+    # optimizers, topk1%-update-unidirectional-warmup-mask-cooldown for SGD with momentum)
     common = ["--dataset", "shakespeare", "--epochs", str(evals), "--steps-per-epoch", str(per),
               "--cost-model", "off", "--bidirectional", "--density-warmup-steps", "0",
-              "--density-cooldown-steps", "0"]
+              "--density-cooldown-steps", "0", "--no-momentum-masking"]
     return {
         "transformer": common + ["--model", "transformer", "--base-optimizer", "adamw",
                                  "--lr", "3e-3", "--warmup-steps", str(max(1, steps // 10)),

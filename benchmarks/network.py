@@ -60,7 +60,8 @@ OPTIMIZERS = {
     "adaptive": [*SPARSE, "--sparsifier", "adaptive", *OFF],
     "sbc": [*SPARSE, "--sparsifier", "sbc", *OFF],
     # the training CLI's SGD default: each rank's update exchanged, after a density warm-up
-    # (which the benchmark's two warm-up steps do not reach: --density-warmup-steps 0)
+    # (which the benchmark's two warm-up steps do not reach: --density-warmup-steps 0), with
+    # momentum masking since the twentieth session (its cool-down lies beyond the timed steps)
     "topk_update": ["--optimizer", "sparse", "--sparsifier", "topk", "--exchange", "update",
                     "--density-warmup-steps", "0"],
     # the default with acc left to a commit pass after the collective instead of written by

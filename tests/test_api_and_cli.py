@@ -236,6 +236,37 @@ def test_cli_exchange_defaults(base, exchange, given, want):
     assert (args.exchange, args.bidirectional, args.density_warmup_steps) == want
 
 
+@pytest.mark.parametrize("argv, want", [
+    # (exchange, momentum masking, cool-down steps) for SGD with momentum, 300 steps
+    ([], ("update", True, 30)),  # the study's setting: updates, masking, the cool-down
+    (["--density-cooldown-steps", "0"], ("update", True, 0)),
+    (["--no-momentum-masking"], ("update", False, 0)),
+    (["--no-momentum-masking", "--density-cooldown-steps", "30"], ("gradient", False, 30)),
+    (["--density-cooldown-steps", "12"], ("update", True, 12)),
+    (["--exchange", "gradient"], ("gradient", False, 0)),
+])
+def test_cli_sgd_with_momentum_masks_and_cools_down(argv, want):
+    from hvd_sparse.train.__main__ import exchange_defaults, parse_args
+
+    args = parse_args(argv)
+    args.total_steps = 300
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    exchange_defaults(args, torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    assert (args.exchange, args.momentum_masking, args.density_cooldown_steps) == want
+
+
+def test_cli_adamw_and_momentum_correction_neither_mask_nor_cool_down():
+    from hvd_sparse.train.__main__ import exchange_defaults, parse_args
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for argv, base in ((["--base-optimizer", "adamw"], torch.optim.AdamW(params)),
+                       (["--momentum-correction"], torch.optim.SGD(params, lr=0.1))):
+        args = parse_args(argv)
+        args.total_steps = 300
+        exchange_defaults(args, base)
+        assert (args.momentum_masking, args.density_cooldown_steps) == (False, 0)
+
+
 def test_cli_dense_and_local_runs_keep_auto():
     """The exchange defaults are the sparse optimizer's: a dense or local run is left as given."""
     from hvd_sparse.train.__main__ import exchange_defaults, parse_args

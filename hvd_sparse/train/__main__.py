@@ -73,19 +73,19 @@ def parse_args(argv=None):
                    help="DGC's warm-up: density decays geometrically from dense to --density "
                         "(default: 0, or 10%% of the run where updates are exchanged; see "
                         "exchange_defaults)")
-    p.add_argument("--density-cooldown-steps", type=int, default=0,
+    p.add_argument("--density-cooldown-steps", type=int, default=None,
                    help="density rises geometrically to --cooldown-density over this many last "
-                        "steps of the run (for gradient exchange; with --momentum-correction, "
-                        "--scope model and a density warm-up the char-LSTM's best setting; it "
-                        "cost the ResNet accuracy on 2 of 3 seeds: README)")
+                        "steps of the run (default: 10%% of the run where SGD's updates are "
+                        "exchanged with momentum masking, else 0; see exchange_defaults)")
     p.add_argument("--cooldown-density", type=float, default=0.1)
     p.add_argument("--dense-warmup-steps", type=int, default=0)
     p.add_argument("--momentum-correction", action="store_true",
                    help="SGD: DGC's momentum correction (the engine keeps the velocity, with "
                         "--momentum as its factor; the wrapped SGD runs without momentum)")
-    p.add_argument("--momentum-masking", action="store_true",
-                   help="SGD with exchanged updates: zero the momentum buffer where a rank sent "
-                        "(DGC's masking); with it --density-cooldown-steps helps updates too")
+    p.add_argument("--momentum-masking", action=argparse.BooleanOptionalAction, default=None,
+                   help="SGD with exchanged updates: zero each rank's momentum buffer where it "
+                        "sent (DGC's masking; default: on wherever SGD with momentum exchanges "
+                        "updates, see exchange_defaults)")
     p.add_argument("--min-sparse-numel", type=int, default=1024,
                    help="tensors with fewer entries are exchanged dense")
     p.add_argument("--index-coding", default=None, choices=["auto", "plain", "golomb"],
@@ -158,8 +158,9 @@ class _Local:
 
 
 def exchange_defaults(args, base) -> None:
-    """Fill ``--exchange``, ``--bidirectional`` and ``--density-warmup-steps`` where not given,
-    from the convergence study (README, "Convergence"); each stays overridable.
+    """Fill ``--exchange``, ``--bidirectional``, ``--density-warmup-steps``,
+    ``--momentum-masking`` and ``--density-cooldown-steps`` where not given, from the
+    convergence study (README, "Convergence"); each stays overridable.
 
     * Adaptive optimizers (AdamW here; the library's ``exchange="auto"`` already exchanges their
       updates): no downlink re-sparsification (with the allgather every rank receives every
@@ -168,32 +169,37 @@ def exchange_defaults(args, base) -> None:
       against dense at 6.7% of dense's bytes, against +4.0% without them.
     * SGD: each rank's update exchanged too (the library keeps gradients for SGD, Horovod's
       contract on ``p.grad``, which a training loop of ours does not need), with the same
-      warm-up and, since the sixteenth session, also without the downlink re-selection.
+      warm-up, without the downlink re-selection, and, where SGD has momentum (twentieth
+      session), DGC's momentum masking with the density cool-down over the last 10% of the run.
       Updates against gradients: ResNet on Fashion-MNIST under cosine decay, 5 seeds, -0.49
-      pt test accuracy against dense against -1.89; char-LSTM, 300 steps, 3 seeds, +6.0%
-      validation loss against +9.2%. Without the downlink selection against with it (same
-      code, README): the ResNet at 2 ranks -0.02 against -0.67 pt (2 seeds) and at 4 ranks
-      -0.82 against -1.34 pt (2 seeds); the char-LSTM at 900 steps +3.6% / +3.7% against
-      +4.2% / +4.0% (seeds 0-1), at 300 steps +7.4% / +6.0% against +5.4% / +6.7%, and +7.4%
-      against +10.0% at 3 ranks, +7.9% against +9.9% at 4. Where a gradient lever is asked
-      for (``--momentum-correction``, ``--density-cooldown-steps``) gradients stay, with the
-      downlink selection.
+      pt test accuracy against dense against -1.89. Masking with the cool-down against
+      without (char-LSTM, 900 steps): +1.8% against +4.3% validation loss (3 seeds, 2 ranks),
+      +1.5% against +3.6% (4 ranks); ResNet: -0.25 against -0.16 pt at 2 ranks (3 seeds), -0.50
+      against -0.81 at 4 (2 seeds). Where a gradient lever is asked for
+      (``--momentum-correction``, or ``--density-cooldown-steps`` for SGD without momentum or
+      with ``--no-momentum-masking``) gradients stay, with the downlink selection.
 
-    The warm-up needs the run's length, which only the run knows, so the library's own default
-    stays 0."""
+    The warm-up and cool-down need the run's length, which only the run knows, so the library's
+    own defaults stay 0 (and masking off)."""
     from hvd_sparse.engine.config import adaptive_optimizer_classes, resolve_exchange
 
     sparse = args.optimizer == "sparse"
     adaptive = isinstance(base, adaptive_optimizer_classes())
+    has_momentum = any(g.get("momentum", 0) for g in base.param_groups)
     if sparse and args.exchange == "auto" and not adaptive:
-        gradient_levers = args.momentum_correction or (args.density_cooldown_steps
-                                                       and not args.momentum_masking)
+        masks = has_momentum and args.momentum_masking is not False
+        gradient_levers = args.momentum_correction or (args.density_cooldown_steps and not masks)
         args.exchange = "gradient" if gradient_levers else "update"
     updates = sparse and resolve_exchange(args.exchange, base, 1, 1) == "update"
     if args.bidirectional is None:
         args.bidirectional = not updates
     if args.density_warmup_steps is None:
         args.density_warmup_steps = max(1, args.total_steps // 10) if updates else 0
+    if args.momentum_masking is None:
+        args.momentum_masking = bool(updates and not adaptive and has_momentum)
+    if args.density_cooldown_steps is None:
+        args.density_cooldown_steps = max(1, args.total_steps // 10) \
+            if args.momentum_masking else 0
 
 
 def build_optimizer(args, model, base, hvd):
