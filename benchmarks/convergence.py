@@ -145,6 +145,10 @@ def levers(steps):
                                                   "--no-bidirectional", *warm],
         "topk0.1%-update-unidirectional-warmup5": ["--density", "0.001", *update,
                                                    "--no-bidirectional", *warm5],
+        # the CLI's SGD default since the twentieth session (masking, the cool-down) at 0.1%
+        "topk0.1%-update-unidirectional-warmup5-mask-cooldown": [
+            "--density", "0.001", *update, "--no-bidirectional", *warm5, *cool,
+            "--momentum-masking"],
         # the LSTM's best SGD levers together, with the small tensors dense; and at 0.1%
         "topk1%-grad-momcorr-global-warmup-smalldense": ["--density", "0.01", *grad,
                                                          "--momentum-correction", "--scope",
