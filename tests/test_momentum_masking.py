@@ -79,41 +79,34 @@ def test_masking_changes_training_and_keeps_it_finite():
     assert all(bool(torch.isfinite(p).all()) for p in m1.parameters())
 
 
-def test_masking_is_refused_where_gradients_are_exchanged():
+def _build(momentum=0.9, **kwargs):
     model = _model()
+    return hvd_sparse.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
+        named_parameters=model.named_parameters(), transport=LocalTransport(), **kwargs)
+
+
+def test_masking_is_refused_where_gradients_are_exchanged():
     with pytest.raises(ValueError, match="momentum_masking"):
-        hvd_sparse.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-            named_parameters=model.named_parameters(), exchange="gradient",
-            momentum_masking=True, transport=LocalTransport())
+        _build(exchange="gradient", momentum_masking=True)
 
 
 def test_masking_is_refused_without_momentum():
-    model = _model()
     with pytest.raises(ValueError, match="momentum"):
-        hvd_sparse.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-            exchange="update", momentum_masking=True, transport=LocalTransport())
+        _build(momentum=0.0, exchange="update", momentum_masking=True)
 
 
 def test_masking_takes_a_bool():
-    model = _model()
     with pytest.raises(TypeError, match="momentum_masking"):
-        hvd_sparse.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-            named_parameters=model.named_parameters(), exchange="update",
-            momentum_masking="yes", transport=LocalTransport())
+        _build(exchange="update", momentum_masking="yes")
 
 
 def test_cooldown_with_updates_warns_unless_the_momentum_is_masked():
     import warnings
 
     def build(masking):
-        model = _model()
-        return hvd_sparse.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-            named_parameters=model.named_parameters(), exchange="update", total_steps=100,
-            density_cooldown_steps=10, momentum_masking=masking, transport=LocalTransport())
+        return _build(exchange="update", total_steps=100, density_cooldown_steps=10,
+                      momentum_masking=masking)
 
     with pytest.warns(UserWarning, match="momentum_masking"):
         build(False)
