@@ -324,17 +324,19 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         for b, idx in sent:
             if idx.numel() == 0:
                 continue
-            if len(b.params) > 1 and idx.numel() > 1 and not bool((idx[1:] >= idx[:-1]).all()):
-                idx = idx.sort().values
-            bounds = torch.tensor(list(b.offsets) + [b.numel], dtype=idx.dtype,
-                                  device=idx.device)
-            cuts = torch.searchsorted(idx, bounds).tolist() if len(b.params) > 1 \
-                else [0, idx.numel()]
+            cuts = [0, idx.numel()]
+            if len(b.params) > 1:  # each parameter's share of the (index-ordered) positions
+                if idx.numel() > 1 and not bool((idx[1:] >= idx[:-1]).all()):
+                    idx = idx.sort().values
+                bounds = torch.tensor(list(b.offsets) + [b.numel], dtype=idx.dtype,
+                                      device=idx.device)
+                cuts = torch.searchsorted(idx, bounds).tolist()
             for i, (p, off, (lo, hi)) in enumerate(zip(b.params, b.offsets, b.slices)):
                 buf = self.state.get(p, {}).get("momentum_buffer")
                 if buf is None or cuts[i] == cuts[i + 1]:
                     continue
-                at = idx[cuts[i]:cuts[i + 1]].to(buf.device) + (lo - off)
+                at = idx[cuts[i]:cuts[i + 1]].to(device=buf.device, dtype=torch.int64) \
+                    + (lo - off)
                 flat = buf.reshape(-1)
                 flat.index_fill_(0, at, 0)
                 if flat.data_ptr() != buf.data_ptr():  # a non-contiguous buffer: copied back
