@@ -175,7 +175,7 @@ def exchange_defaults(args, base) -> None:
       pt test accuracy against dense against -1.89. Masking with the cool-down against
       without (char-LSTM, 900 steps): +1.8% against +4.3% validation loss (3 seeds, 2 ranks),
       +1.5% against +3.6% (4 ranks); ResNet under cosine decay: -0.16 against -0.25 pt at 2
-      ranks (5 seeds), -0.50 against -0.81 at 4 (2 seeds), at 9.0% of dense's bytes. Where a gradient lever is asked for
+      ranks (5 seeds), -0.39 against -0.67 at 4 (3 seeds), at 9.0% of dense's bytes. Where a gradient lever is asked for
       (``--momentum-correction``, or ``--density-cooldown-steps`` for SGD without momentum or
       with ``--no-momentum-masking``) gradients stay, with the downlink selection.
 
