@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from . import reference
+from .select import NORMAL_TINY
 
 try:  # CuPy is optional
     import cupy as cp
@@ -152,10 +153,6 @@ class Scan(NamedTuple):
     energy: None = None  # not measured here: the engine computes it after the commit
     idx: torch.Tensor = None  # the candidates, when the room sufficed (in slot order)
     values: torch.Tensor = None
-
-
-#: the smallest normal float32
-NORMAL_TINY = np.finfo(np.float32).tiny
 
 
 def kernel_threshold(t) -> np.float32:
