@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-shot, idempotent set-up of everything hvd_sparse needs on a fresh Debian machine:
-#   Open MPI + Fashion-MNIST (apt), a virtual environment at .venv, torch, numpy, the test tools,
+#   Open MPI + Fashion-MNIST + fortune cookies (apt), a virtual environment at .venv, torch, numpy, the test tools,
 #   the real Horovod 0.28.1 built from its PyPI sdist (PyTorch + MPI + Gloo), and hvd_sparse itself.
 # A second run finds every piece in place and returns in seconds. The Horovod wheel is cached
 # outside the repository (HVD_SPARSE_CACHE, default ~/.cache/hvd_sparse) so new clones reuse it.
@@ -22,6 +22,7 @@ command -v mpicxx >/dev/null 2>&1 || need_apt+=(libopenmpi-dev)
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || need_apt+=(dataset-fashion-mnist)
+[ -f /usr/share/games/fortunes/wisdom ] || need_apt+=(fortunes)
 if [ "${#need_apt[@]}" -gt 0 ]; then
   log "installing Debian packages: ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

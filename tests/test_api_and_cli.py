@@ -313,3 +313,21 @@ def test_progress_lines_every_five_percent():
     due = [s for s in range(200) if _progress_due(s, 200)]
     assert due == list(range(9, 200, 10))
     assert [s for s in range(7) if _progress_due(s, 7)] == list(range(7))
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], ("cnn", 64, 0.05)),
+    (["--dataset", "shakespeare"], ("lstm", 32, 0.5)),
+    (["--dataset", "fortunes", "--model", "gru"], ("gru", 32, 0.2)),
+    (["--dataset", "shakespeare", "--base-optimizer", "adamw"], ("lstm", 32, 3e-3)),
+    (["--base-optimizer", "adamw", "--model", "resnet"], ("resnet", 64, 3e-3)),
+    (["--dataset", "fortunes", "--model", "gru", "--lr", "0.7", "--batch-size", "8"],
+     ("gru", 8, 0.7)),
+])
+def test_cli_workload_defaults(argv, want):
+    """The model, batch and rate where not given: AdamW never inherits an SGD rate."""
+    from hvd_sparse.train.__main__ import parse_args, workload_defaults
+
+    args = parse_args(argv)
+    workload_defaults(args)
+    assert (args.model, args.batch_size, args.lr) == want

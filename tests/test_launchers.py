@@ -65,7 +65,8 @@ def test_slow_network_launcher_usage_error():
      "--test-limit", "500", "--sparsifier", "gaussiank"],
     ["--dataset", "shakespeare", "--model", "lstm", "--steps-per-epoch", "8",
      "--sparsifier", "sbc"],
-], ids=["fashion-resnet", "shakespeare-lstm"])
+    ["--dataset", "fortunes", "--model", "gru", "--steps-per-epoch", "8"],
+], ids=["fashion-resnet", "shakespeare-lstm", "fortunes-gru"])
 def test_cli_workloads_end_to_end(tmp_path, workload, mpi_available):
     metrics = tmp_path / "m.jsonl"
     cmd = [sys.executable, "-m", "hvd_sparse.train", "--ranks", "2", "--epochs", "2",
@@ -80,7 +81,7 @@ def test_cli_workloads_end_to_end(tmp_path, workload, mpi_available):
     key = "test_accuracy" if "--model" in workload and "resnet" in workload else "valid_loss"
     assert all(key in r for r in recs)
     if key == "valid_loss":
-        assert recs[-1]["valid_loss"] < 4.6  # below log(96), the uniform guess
+        assert recs[-1]["valid_loss"] < 4.5  # below log(96) and log(113), the uniform guess
 
 
 def test_benchmark_mode_reports_step_times():

@@ -25,9 +25,13 @@ import torch
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m hvd_sparse.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", default="fashion-mnist", choices=["fashion-mnist", "shakespeare"])
+    p.add_argument("--dataset", default="fashion-mnist",
+                   choices=["fashion-mnist", "shakespeare", "fortunes"],
+                   help="fortunes: Debian's fortune cookies, a corpus held out of the "
+                        "convergence study")
     p.add_argument("--model", default=None,
-                   help="cnn | resnet | mlp11m | mlpdeep (fashion-mnist), lstm (shakespeare)")
+                   help="cnn | resnet | mlp11m | mlpdeep (fashion-mnist); "
+                        "lstm | gru | transformer (shakespeare, fortunes)")
     p.add_argument("--optimizer", default="sparse", choices=["sparse", "dense", "local"],
                    help="sparse: hvd_sparse; dense: Horovod's own (control); local: no exchange")
     p.add_argument("--sparsifier", default="topk",
@@ -56,9 +60,11 @@ def parse_args(argv=None):
                         "Horovod's 1 ms default spins a core that ranks sharing a host need; "
                         "5 ms measured ~30%% faster sparse steps here, dense no slower")
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--steps-per-epoch", type=int, default=200, help="shakespeare only")
+    p.add_argument("--steps-per-epoch", type=int, default=200, help="text data sets only")
     p.add_argument("--batch-size", type=int, default=None, help="per rank")
-    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--lr", type=float, default=None,
+                   help="default: 3e-3 for AdamW; for SGD per data set and model, scaled by "
+                        "the rank count")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--base-optimizer", default="sgd", choices=["sgd", "adamw"],
                    help="the optimizer wrapped: SGD with momentum (lr scaled by the rank count) "
@@ -68,7 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--lr-schedule", default="auto", choices=["auto", "constant", "cosine"],
                    help="cosine: --warmup-steps of linear warm-up, then cosine decay to zero "
                         "at the end of the run; auto: cosine for AdamW, constant for SGD")
-    p.add_argument("--seq-len", type=int, default=None, help="shakespeare only")
+    p.add_argument("--seq-len", type=int, default=None, help="text data sets only")
     p.add_argument("--density-warmup-steps", type=int, default=None,
                    help="DGC's warm-up: density decays geometrically from dense to --density "
                         "(default: 0, or 10%% of the run where updates are exchanged; see "
@@ -111,7 +117,22 @@ def parse_args(argv=None):
 
 
 DEFAULTS = {"fashion-mnist": {"model": "cnn", "batch_size": 64, "lr": 0.05},
-            "shakespeare": {"model": "lstm", "batch_size": 32, "lr": 0.5}}
+            "shakespeare": {"model": "lstm", "batch_size": 32, "lr": 0.5},
+            "fortunes": {"model": "lstm", "batch_size": 32, "lr": 0.5}}
+# learning rates that differ from the data set's: AdamW's from the convergence study's
+# Transformer, the GRU's SGD rate from its dense runs on fortunes (0.5 diverged; 0.2 beat 0.1)
+ADAMW_LR = 3e-3
+SGD_LR_BY_MODEL = {"gru": 0.2}
+
+
+def workload_defaults(args) -> None:
+    """Fill the model, batch size and learning rate where not given."""
+    for key, value in DEFAULTS[args.dataset].items():
+        if key != "lr" and getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.lr is None:
+        args.lr = ADAMW_LR if args.base_optimizer == "adamw" else SGD_LR_BY_MODEL.get(
+            args.model, DEFAULTS[args.dataset]["lr"])
 
 
 def _launched() -> bool:
@@ -240,9 +261,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.ranks and not _launched() and args.optimizer != "local":
         _relaunch(args, argv)
-    for key, value in DEFAULTS[args.dataset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    workload_defaults(args)
     torch.set_num_threads(args.threads)
     from .workloads import WORKLOADS
 

