@@ -52,6 +52,20 @@ RUNS = {
     "default1%": ["--density", "0.01"],
     "default0.1%": ["--density", "0.001"],
 }
+# with --levers: where the defaults fall short, which of the study's settings would have done
+# better (run after the check; choosing among them here would make this corpus a tuned one)
+def levers(steps):
+    """Settings of the study, for a workload of ``steps`` steps."""
+    return {
+        "gradients1%": ["--density", "0.01", "--exchange", "gradient"],
+        "momcorr1%": ["--density", "0.01", "--momentum-correction"],
+        "no-mask-no-cooldown1%": ["--density", "0.01", "--no-momentum-masking",
+                                  "--density-cooldown-steps", "0"],
+        "global1%": ["--density", "0.01", "--scope", "model"],
+        "mask-no-cooldown1%": ["--density", "0.01", "--density-cooldown-steps", "0"],
+        "cooldown-no-mask1%": ["--density", "0.01", "--exchange", "update", "--no-momentum-masking",
+                               "--density-cooldown-steps", str(steps // 10)],
+    }
 
 
 def main():
@@ -60,12 +74,14 @@ def main():
     p.add_argument("--steps", type=int, default=None, help="default: STEPS per workload")
     p.add_argument("--evals", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--levers", action="store_true", help="also the runs of levers()")
     p.add_argument("--only", nargs="*", default=None, help="run names like fortunes-gru/dense")
     args = p.parse_args()
     path = RESULTS / "heldout.json"
     results = json.loads(path.read_text())["runs"] if path.exists() else {}
     for wname, wargs in workloads(args.steps, args.evals).items():
-        for rname, rargs in RUNS.items():
+        runs = {**RUNS, **(levers(args.steps or STEPS[wname]) if args.levers else {})}
+        for rname, rargs in runs.items():
             name = f"{wname}/{rname}"
             if args.only and name not in args.only:
                 continue

@@ -331,3 +331,15 @@ def test_cli_workload_defaults(argv, want):
     args = parse_args(argv)
     workload_defaults(args)
     assert (args.model, args.batch_size, args.lr) == want
+
+
+@pytest.mark.parametrize("density, want", [(0.01, 30), (0.05, 30), (0.001, 15), (0.0099, 15)])
+def test_cli_warmup_is_shorter_below_one_percent(density, want):
+    """At 0.1% a 10% warm-up alone would send about 3% of dense's bytes: half as long there."""
+    from hvd_sparse.train.__main__ import exchange_defaults, parse_args
+
+    args = parse_args(["--density", str(density)])
+    args.total_steps = 300
+    exchange_defaults(args, torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1,
+                                            momentum=0.9))
+    assert args.density_warmup_steps == want
