@@ -105,6 +105,11 @@ def runs(args):
                     "--density-warmup-steps", warm, "--exchange", "update",
                     "--no-bidirectional", "--momentum-masking", "--density-cooldown-steps",
                     warm]),
+                # the cool-down without the masking (the held-out GRU's better setting:
+                # benchmarks/heldout.py)
+                ("warmup-update-unidirectional-cooldown", [
+                    "--density-warmup-steps", warm, "--exchange", "update",
+                    "--no-bidirectional", "--density-cooldown-steps", warm]),
                 # the downlink selection named, since the CLI drops it from 3 ranks
                 ("warmup-update-bidirectional", ["--density-warmup-steps", warm,
                                                  "--exchange", "update", "--bidirectional"]))},

@@ -219,6 +219,8 @@ def main():
     p.add_argument("--evals", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="*", default=None, help="run names like transformer/dense")
+    p.add_argument("--lr", type=float, default=None,
+                   help="another learning rate than the workload's (names get @lr<rate>)")
     args = p.parse_args()
     path = RESULTS / "convergence.json"
     old = json.loads(path.read_text())["runs"] if path.exists() else {}
@@ -234,10 +236,13 @@ def main():
                 name += f"@{args.ranks}ranks"
             if args.steps != 300:
                 name += f"@{args.steps}steps"
+            rate = ["--lr", str(args.lr)] if args.lr is not None else []
+            if rate:
+                name += f"@lr{args.lr:g}"
             recs = train_run(name, ["--ranks", str(args.ranks), "--seed", str(args.seed),
-                                    *wargs, *largs])
-            results[name] = {"args": wargs + largs, "seed": args.seed, "ranks": args.ranks,
-                             "records": recs}
+                                    *wargs, *largs, *rate])
+            results[name] = {"args": wargs + largs + rate, "seed": args.seed,
+                             "ranks": args.ranks, "records": recs}
             last = recs[-1]
             print(f"{name:40} valid_loss {last['valid_loss']:.4f}  sent "
                   f"{last['bytes_sent'] / 2**20:8.2f} MiB of {last['dense_bytes'] / 2**20:8.2f}"

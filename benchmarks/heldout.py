@@ -62,7 +62,10 @@ def levers(steps):
         "no-mask-no-cooldown1%": ["--density", "0.01", "--no-momentum-masking",
                                   "--density-cooldown-steps", "0"],
         "global1%": ["--density", "0.01", "--scope", "model"],
-        "mask-no-cooldown1%": ["--density", "0.01", "--density-cooldown-steps", "0"],
+        "mask-no-cooldown1%": ["--density", "0.01", "--momentum-masking",
+                               "--density-cooldown-steps", "0"],
+        # the twentieth session's CLI default for SGD
+        "mask-cooldown1%": ["--density", "0.01", "--momentum-masking"],
         "cooldown-no-mask1%": ["--density", "0.01", "--exchange", "update", "--no-momentum-masking",
                                "--density-cooldown-steps", str(steps // 10)],
     }

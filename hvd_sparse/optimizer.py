@@ -19,7 +19,7 @@ import torch
 
 from . import buckets as bucketing
 from .engine import Engine, build_config
-from .engine.config import EXCHANGES, passes_per_step, resolve_exchange
+from .engine.config import EXCHANGES, adaptive_optimizer_classes, passes_per_step, resolve_exchange
 from .transport import HorovodTransport, make_transport
 
 STATE_KEY = "hvd_sparse"
@@ -591,6 +591,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         check_config=check_config, collective=collective,
         sharded_selection=sharded_selection, rebalance_every=rebalance_every,
         layer_floor=layer_floor, momentum_masking=momentum_masking)
+    if density_cooldown_steps and (local_steps > 1 or exchange == "update") \
+            and isinstance(optimizer, adaptive_optimizer_classes()):
+        warnings.warn(
+            "density_cooldown_steps with an adaptive optimizer's weight updates exchanged: the "
+            "residuals hold changes made at past learning rates, and releasing them at the end "
+            "of a decaying schedule can undo training (a character Transformer with AdamW at "
+            "density 0.001 diverged in its last steps); SGD's updates gained from it",
+            UserWarning, stacklevel=2)
     if momentum_masking and not any(g.get("momentum", 0) for g in optimizer.param_groups):
         raise ValueError("momentum_masking=True needs a wrapped optimizer with momentum (SGD's "
                          "momentum_buffer); this one has no 'momentum' > 0 in its param groups")

@@ -211,7 +211,7 @@ def test_training_cli_transformer_adamw_update_exchange(tmp_path, mpi_available)
     ("sgd", "gradient", {}, ("gradient", True, 0)),
     # SGD with a gradient lever keeps gradients
     ("sgd", "auto", {"momentum_correction": True}, ("gradient", True, 0)),
-    ("sgd", "auto", {"density_cooldown_steps": 30}, ("gradient", True, 0)),
+    ("sgd", "auto", {"density_cooldown_steps": 30}, ("update", False, 30)),
     ("adamw", "auto", {"bidirectional": True, "density_warmup_steps": 0}, ("auto", True, 0)),
     ("adamw", "auto", {"density_warmup_steps": 7}, ("auto", False, 7)),
     ("sgd", "auto", {"bidirectional": False, "density_warmup_steps": 0}, ("update", False, 0)),
@@ -238,14 +238,14 @@ def test_cli_exchange_defaults(base, exchange, given, want):
 
 @pytest.mark.parametrize("argv, want", [
     # (exchange, momentum masking, cool-down steps) for SGD with momentum, 300 steps
-    ([], ("update", True, 30)),  # the study's setting: updates, masking, the cool-down
-    (["--density-cooldown-steps", "0"], ("update", True, 0)),
-    (["--no-momentum-masking"], ("update", False, 0)),
-    (["--no-momentum-masking", "--density-cooldown-steps", "30"], ("gradient", False, 30)),
-    (["--density-cooldown-steps", "12"], ("update", True, 12)),
+    ([], ("update", False, 30)),  # updates and the cool-down; masking is an option
+    (["--density-cooldown-steps", "0"], ("update", False, 0)),
+    (["--momentum-masking"], ("update", True, 30)),
+    (["--momentum-masking", "--density-cooldown-steps", "12"], ("update", True, 12)),
     (["--exchange", "gradient"], ("gradient", False, 0)),
+    (["--momentum-correction"], ("gradient", False, 0)),
 ])
-def test_cli_sgd_with_momentum_masks_and_cools_down(argv, want):
+def test_cli_sgd_exchanges_updates_and_cools_down(argv, want):
     from hvd_sparse.train.__main__ import exchange_defaults, parse_args
 
     args = parse_args(argv)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -231,15 +230,6 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
     _nonneg_int("verify_every", verify_every)
     if exchange not in EXCHANGES or exchange == "auto":
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-    if density_cooldown_steps and (local_steps > 1 or exchange == "update") \
-            and not momentum_masking:
-        warnings.warn(
-            "density_cooldown_steps with weight updates exchanged (exchange='update' or "
-            "local_steps > 1): the residuals then hold weight changes made at past learning "
-            "rates, and releasing them at the end of a decaying schedule can undo training (a "
-            "character Transformer with AdamW at density 0.001 diverged in its last steps); the "
-            "cool-down is meant for gradient exchange, or for SGD's updates with "
-            "momentum_masking=True", UserWarning, stacklevel=3)
     if momentum_masking not in (True, False):
         raise TypeError(f"momentum_masking must be True or False, got {momentum_masking!r}")
     if momentum_masking and not (local_steps > 1 or exchange == "update"):
