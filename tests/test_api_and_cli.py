@@ -318,7 +318,7 @@ def test_progress_lines_every_five_percent():
 @pytest.mark.parametrize("argv, want", [
     ([], ("cnn", 64, 0.05)),
     (["--dataset", "shakespeare"], ("lstm", 32, 0.5)),
-    (["--dataset", "fortunes", "--model", "gru"], ("gru", 32, 0.2)),
+    (["--dataset", "fortunes", "--model", "gru"], ("gru", 32, 0.3)),
     (["--dataset", "shakespeare", "--base-optimizer", "adamw"], ("lstm", 32, 3e-3)),
     (["--base-optimizer", "adamw", "--model", "resnet"], ("resnet", 64, 3e-3)),
     (["--dataset", "fortunes", "--model", "gru", "--lr", "0.7", "--batch-size", "8"],
