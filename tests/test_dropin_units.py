@@ -483,7 +483,7 @@ def test_density_cooldown_needs_the_runs_length():
         _wrap(_net(), total_steps=0)
     _wrap(_net(), sparsifier="topk", total_steps=10)  # a run length any method accepts
     m = _net()
-    with pytest.warns(UserWarning, match="meant for gradient exchange"):
+    with pytest.warns(UserWarning, match="adaptive optimizer"):
         _wrap(m, torch.optim.AdamW(m.parameters()), total_steps=10, density_cooldown_steps=2)
 
 
