@@ -230,28 +230,40 @@ def main():
             name = f"{wname}/{lname}"
             if args.only and name not in args.only:
                 continue
-            if args.seed:
-                name += f"@seed{args.seed}"
-            if args.ranks != 2:
-                name += f"@{args.ranks}ranks"
-            if args.steps != 300:
-                name += f"@{args.steps}steps"
+            name = tagged(name, args.seed, args.ranks, args.steps if args.steps != 300 else None,
+                          args.lr)
             rate = ["--lr", str(args.lr)] if args.lr is not None else []
-            if rate:
-                name += f"@lr{args.lr:g}"
             recs = train_run(name, ["--ranks", str(args.ranks), "--seed", str(args.seed),
                                     *wargs, *largs, *rate])
             results[name] = {"args": wargs + largs + rate, "seed": args.seed,
                              "ranks": args.ranks, "records": recs}
-            last = recs[-1]
-            print(f"{name:40} valid_loss {last['valid_loss']:.4f}  sent "
-                  f"{last['bytes_sent'] / 2**20:8.2f} MiB of {last['dense_bytes'] / 2**20:8.2f}"
-                  f"  wall {last['wall_s']:.0f} s", flush=True)
+            report(name, recs)
             save("convergence", {"machine": machine(), "runs": results})
     save("convergence", {"machine": machine(), "runs": results})
     plot(results, RESULTS / "convergence.png")
     table(results)
     seeds(results)
+
+
+def tagged(name, seed, ranks, steps=None, lr=None):
+    """A run's name with what differs from the main setting (seed 0, 2 ranks, the workload's
+    length and rate): ``@seed<n>``, ``@<n>ranks``, ``@<n>steps``, ``@lr<rate>``."""
+    if seed:
+        name += f"@seed{seed}"
+    if ranks != 2:
+        name += f"@{ranks}ranks"
+    if steps:
+        name += f"@{steps}steps"
+    if lr is not None:
+        name += f"@lr{lr:g}"
+    return name
+
+
+def report(name, recs):
+    last = recs[-1]
+    print(f"{name:40} valid_loss {last['valid_loss']:.4f}  sent "
+          f"{last['bytes_sent'] / 2**20:8.2f} MiB of {last['dense_bytes'] / 2**20:8.2f}"
+          f"  wall {last['wall_s']:.0f} s", flush=True)
 
 
 def table(results):

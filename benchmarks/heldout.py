@@ -22,7 +22,7 @@ import argparse
 import json
 
 from common import RESULTS, machine, save, train_run
-from convergence import plot, seeds, table
+from convergence import plot, report, seeds, table, tagged
 
 
 # steps per workload: the lengths the study used for the same kinds of model (900 for the
@@ -91,23 +91,14 @@ def main():
             name = f"{wname}/{rname}"
             if args.only and name not in args.only:
                 continue
-            if args.seed:
-                name += f"@seed{args.seed}"
-            if args.ranks != 2:
-                name += f"@{args.ranks}ranks"
-            if args.steps:
-                name += f"@{args.steps}steps"
+            name = tagged(name, args.seed, args.ranks, args.steps, args.lr)
             if args.lr is not None:
-                name += f"@lr{args.lr:g}"
                 rargs = rargs + ["--lr", str(args.lr)]
             recs = train_run(name, ["--ranks", str(args.ranks), "--seed", str(args.seed),
                                     *wargs, *rargs])
             results[name] = {"args": wargs + rargs, "seed": args.seed, "ranks": args.ranks,
                              "steps": args.steps or STEPS[wname], "records": recs}
-            last = recs[-1]
-            print(f"{name:40} valid_loss {last['valid_loss']:.4f}  sent "
-                  f"{last['bytes_sent'] / 2**20:8.2f} MiB of {last['dense_bytes'] / 2**20:8.2f}"
-                  f"  wall {last['wall_s']:.0f} s", flush=True)
+            report(name, recs)
             save("heldout", {"machine": machine(), "runs": results})
     plot(results, RESULTS / "heldout.png")
     table(results)
