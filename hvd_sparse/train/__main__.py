@@ -205,7 +205,7 @@ def exchange_defaults(args, base) -> None:
       10% of the run. Updates against gradients: ResNet on Fashion-MNIST under cosine decay, 5
       seeds, -0.49 pt test accuracy against dense against -1.89. The cool-down (twenty-first
       session, 3 seeds each, 2 ranks): char-LSTM (900 steps) +3.9% against +4.3% without it,
-      held-out GRU on fortune cookies +3.8% against +5.2%, ResNet -0.15 pt (3 seeds) against
+      held-out GRU on fortune cookies +3.8% against +5.2%, ResNet -0.15 pt (5 seeds) against
       -0.25. DGC's momentum masking (``--momentum-masking``) with the cool-down did better on
       the LSTM at its rate of 0.5 (+1.8%) but worse on the GRU (+6.1%) and no better on the LSTM
       at 0.25, so it is an option. Where a gradient lever is asked for
