@@ -238,14 +238,14 @@ def test_cli_exchange_defaults(base, exchange, given, want):
 
 @pytest.mark.parametrize("argv, want", [
     # (exchange, momentum masking, cool-down steps) for SGD with momentum, 300 steps
-    ([], ("update", False, 30)),  # updates and the cool-down; masking is an option
-    (["--density-cooldown-steps", "0"], ("update", False, 0)),
-    (["--momentum-masking"], ("update", True, 30)),
-    (["--momentum-masking", "--density-cooldown-steps", "12"], ("update", True, 12)),
+    ([], ("update", True, 30)),  # updates, masking and the cool-down
+    (["--density-cooldown-steps", "0"], ("update", True, 0)),
+    (["--no-momentum-masking"], ("update", False, 30)),
+    (["--density-cooldown-steps", "12"], ("update", True, 12)),
     (["--exchange", "gradient"], ("gradient", False, 0)),
     (["--momentum-correction"], ("gradient", False, 0)),
 ])
-def test_cli_sgd_exchanges_updates_and_cools_down(argv, want):
+def test_cli_sgd_exchanges_updates_masks_and_cools_down(argv, want):
     from hvd_sparse.train.__main__ import exchange_defaults, parse_args
 
     args = parse_args(argv)

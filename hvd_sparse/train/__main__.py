@@ -88,9 +88,10 @@ def parse_args(argv=None):
     p.add_argument("--momentum-correction", action="store_true",
                    help="SGD: DGC's momentum correction (the engine keeps the velocity, with "
                         "--momentum as its factor; the wrapped SGD runs without momentum)")
-    p.add_argument("--momentum-masking", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--momentum-masking", action=argparse.BooleanOptionalAction, default=None,
                    help="SGD with exchanged updates: zero each rank's momentum buffer where it "
-                        "sent (DGC's masking; off by default, see exchange_defaults)")
+                        "sent (DGC's masking; default: on wherever SGD with momentum exchanges "
+                        "updates, see exchange_defaults)")
     p.add_argument("--min-sparse-numel", type=int, default=1024,
                    help="tensors with fewer entries are exchanged dense")
     p.add_argument("--index-coding", default=None, choices=["auto", "plain", "golomb"],
@@ -189,8 +190,8 @@ def warmup_share(density: float, total_steps: int) -> int:
 
 
 def exchange_defaults(args, base) -> None:
-    """Fill ``--exchange``, ``--bidirectional``, ``--density-warmup-steps`` and
-    ``--density-cooldown-steps`` where not given, from the
+    """Fill ``--exchange``, ``--bidirectional``, ``--density-warmup-steps``,
+    ``--momentum-masking`` and ``--density-cooldown-steps`` where not given, from the
     convergence study (README, "Convergence"); each stays overridable.
 
     * Adaptive optimizers (AdamW here; the library's ``exchange="auto"`` already exchanges their
@@ -206,9 +207,11 @@ def exchange_defaults(args, base) -> None:
       seeds, -0.49 pt test accuracy against dense against -1.89. The cool-down (twenty-first
       session, 3 seeds each, 2 ranks): char-LSTM (900 steps) +3.9% against +4.3% without it,
       held-out GRU on fortune cookies +3.8% against +5.2%, ResNet -0.15 pt (5 seeds) against
-      -0.25. DGC's momentum masking (``--momentum-masking``) with the cool-down did better on
-      the LSTM at its rate of 0.5 (+1.8%) but worse on the GRU (+6.1%) and no better on the LSTM
-      at 0.25, so it is an option. Where a gradient lever is asked for
+      -0.25. Where SGD has momentum, DGC's momentum masking too: at each model's best dense
+      rate it is the robust choice (LSTM at 0.5: +1.8% against +3.9%; held-out GRU at 0.3:
+      +3.4 / +3.2% against +2.3 / +15.2%, the latter a run knocked off course early), though
+      at a rate below the best it cost the GRU (0.2: +6.1% against +3.8%; README
+      "Convergence"). Where a gradient lever is asked for
       (``--momentum-correction``) gradients stay, with the downlink selection.
 
     The warm-up and cool-down need the run's length, which only the run knows, so the library's
@@ -224,6 +227,9 @@ def exchange_defaults(args, base) -> None:
         args.bidirectional = not updates
     if args.density_warmup_steps is None:
         args.density_warmup_steps = warmup_share(args.density, args.total_steps) if updates else 0
+    if args.momentum_masking is None:
+        args.momentum_masking = bool(updates and not adaptive and any(
+            g.get("momentum", 0) for g in base.param_groups))
     if args.density_cooldown_steps is None:
         args.density_cooldown_steps = max(1, args.total_steps // 10) \
             if updates and not adaptive else 0
