@@ -41,8 +41,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_exchange_auto = exchange_auto  # the exchange was the library's choice
         self._hs_bidirectional_auto = bidirectional_auto  # and so was the downlink selection
         self._hs_process_set = process_set
-        # p.grad as the last exchange wrote it: (parameter, weak reference, version)
+        # p.grad as the last exchange wrote it: (parameter, weak reference, version); where no
+        # backward hook had fired that round, also a copy of the values (see _hs_nothing_new)
         self._hs_written = None
+        self._hs_written_values = {}
         # p.grad as backward handed it to the exchange this step: parameter -> (tensor,
         # version); and whether a write to it after that was already reported
         self._hs_handed = {}
@@ -149,9 +151,27 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-    def _hs_record_written(self):
+    def _hs_record_written(self, keep_values: bool):
+        """Note ``p.grad`` as the exchange wrote it. ``keep_values``: no backward hook fired
+        this round, so the gradients were written outside backward (an fp32 master copy filled
+        with ``m.grad.data.copy_(...)``, say). Writes through ``.data`` leave ``_version``
+        alone, so only the values can tell the next round's gradients from these: they are
+        kept (in buffers reused across steps), a cost such loops alone pay."""
         self._hs_written = [(p, weakref.ref(p.grad), p.grad._version)
                             for p in self._hs_buckets_of if p.grad is not None]
+        kept = {}
+        if keep_values:
+            for p, _, _ in self._hs_written:
+                if p.grad.layout != torch.strided:  # sparse rows: by _version alone
+                    continue
+                buf = self._hs_written_values.get(p)
+                if buf is None or buf.shape != p.grad.shape or buf.dtype != p.grad.dtype \
+                        or buf.device != p.grad.device or buf.layout != p.grad.layout:
+                    buf = p.grad.detach().clone()
+                else:
+                    buf.copy_(p.grad.detach())
+                kept[p] = buf
+        self._hs_written_values = kept
 
     def _hs_check_handed(self):
         """Warn (once) when ``p.grad`` was written in place after backward handed it to the
@@ -206,7 +226,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             # synchronize() again before step(): what it gave stands, written since or not
             # (clipping in between, the same on every rank)
             return True
-        return all(p.grad._version == version for p, _, version in written)
+        kept = self._hs_written_values
+        return all(p.grad._version == version and (
+            p not in kept or torch.equal(p.grad, kept[p])) for p, _, version in written)
 
     # ----------------------------------------------------------------- Horovod's API
     @property
@@ -251,11 +273,12 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         self._hs_check_handed()
+        outside_backward = not self._hs_touched
         try:
             self._hs_engine.finish("grads")
         finally:
             self._hs_reset_round()
-        self._hs_record_written()
+        self._hs_record_written(keep_values=outside_backward)
         self._synchronized = True
 
     @contextmanager
@@ -412,6 +435,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._hs_written = None
+        self._hs_written_values = {}
         self._hs_base.load_state_dict(self, state_dict)
         if extra is not None:
             self._hs_engine.load_state_dict(extra)

@@ -50,6 +50,16 @@ def test_synchronize_clip_skip_synchronize_and_the_step_warning(parity):
         assert len(r["step_warnings"]) == 1 and SYNC_WARNING in r["step_warnings"][0]
 
 
+def test_gradients_written_through_data_are_exchanged_every_step(parity):
+    """Master weights whose gradients are copied in with ``.data`` (no hook, no version bump):
+    each step's gradients are exchanged, so the replicas stay identical (they drifted apart
+    when the optimizer took them for the last exchange's, at every density)."""
+    for r in parity:
+        for density, got in r["data_written_grads"].items():
+            assert got["same"], density
+            assert got["moved"], density
+
+
 def test_each_process_set_keeps_its_own_replicas(tmp_path, mpi_available):
     """Two process sets of two ranks each (Horovod's static sets), each set's optimizer on its
     own set: replicas identical within a set, the sets training apart, for gradients (SGD)

@@ -159,9 +159,42 @@ def scenario_synchronize_clip_and_warning(res):
     res["step_warnings"] = [str(w.message) for w in ws]
 
 
+def scenario_gradients_written_through_data(res):
+    """An fp32 master copy whose gradients are filled from a working model with
+    ``m.grad.data.copy_(...)`` (apex's and fairseq's pattern): no backward hook fires on the
+    masters and ``.data`` writes leave ``_version`` alone, yet every step is a new gradient,
+    exchanged as Horovod's synchronize() exchanges every parameter every step."""
+    out = {}
+    for density in (1.0, 0.05):
+        torch.manual_seed(0)
+        work = net()
+        master = [torch.nn.Parameter(p.detach().clone()) for p in work.parameters()]
+        start = [p.detach().clone() for p in master]
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(master, lr=0.1),
+            named_parameters=[(f"master.{i}", p) for i, p in enumerate(master)],
+            density=density, cost_model="off")
+        torch.manual_seed(1 + hvd.rank())  # each rank its own batches
+        for step in range(4):
+            x, y = torch.randn(16, 100), torch.randn(16, 10)
+            work.zero_grad()
+            F.mse_loss(work(x), y).backward()
+            for m, w in zip(master, work.parameters()):
+                if m.grad is None:
+                    m.grad = torch.zeros_like(m)
+                m.grad.data.copy_(w.grad.data)
+            opt.step()
+            with torch.no_grad():
+                for m, w in zip(master, work.parameters()):
+                    w.copy_(m)
+        out[str(density)] = {"same": same_everywhere(master),
+                             "moved": any(not torch.equal(m, s0) for m, s0 in zip(master, start))}
+    res["data_written_grads"] = out
+
+
 SCENARIOS = [scenario_broadcast_state_every_optimizer, scenario_broadcast_options,
              scenario_frozen_and_integer_parameters, scenario_missing_gradient_on_one_rank,
-             scenario_synchronize_clip_and_warning]
+             scenario_synchronize_clip_and_warning, scenario_gradients_written_through_data]
 
 
 if __name__ == "__main__":
