@@ -56,6 +56,20 @@ def test_character_models_predict_every_position(name):
     assert out.shape == (3, 17, 30) and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("name", sorted(CHAR_MODELS))
+def test_character_models_see_no_later_character(name):
+    """A language model's prediction at position t depends on characters up to t only."""
+    torch.manual_seed(0)
+    model = CHAR_MODELS[name](30).eval()
+    x = torch.randint(0, 30, (2, 40))
+    later = x.clone()
+    later[:, 25:] = (later[:, 25:] + 1) % 30
+    with torch.no_grad():
+        a, b = model(x), model(later)
+    assert torch.allclose(a[:, :25], b[:, :25], atol=1e-6)
+    assert not torch.allclose(a[:, 25:], b[:, 25:])
+
+
 def test_fortunes_workload_trains_a_gru_on_its_windows(cookie_dir):
     work = WORKLOADS["fortunes"](model="gru", batch_size=4, seq_len=8, valid_windows=2)
     x, y = work.batch(0, 3, 1, 2)
