@@ -151,6 +151,16 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
 
+    def _hs_zero_frozen_grads(self):
+        """A parameter frozen after wrapping (``requires_grad_(False)``) still takes part in
+        the exchange with a zero gradient, as under Horovod, but what the exchange writes back
+        for it is set to zero: error feedback still holds mass from before it was frozen, and
+        releasing that into it would move a layer the user stopped training (Horovod's zero
+        gradient leaves it where it is)."""
+        for p in self._hs_buckets_of:
+            if not p.requires_grad and p.grad is not None:
+                p.grad.zero_()
+
     def _hs_record_written(self, keep_values: bool):
         """Note ``p.grad`` as the exchange wrote it. ``keep_values``: no backward hook fired
         this round, so the gradients were written outside backward (an fp32 master copy filled
@@ -278,6 +288,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self._hs_engine.finish("grads")
         finally:
             self._hs_reset_round()
+        self._hs_zero_frozen_grads()
         self._hs_record_written(keep_values=outside_backward)
         self._synchronized = True
 
@@ -341,9 +352,11 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     def _hs_mask_momentum(self, sent):
         """DGC's momentum factor masking, where weight updates are exchanged: this rank's
-        momentum buffer is zeroed at the positions it just sent, so a coordinate whose
-        accumulated change has gone out restarts its momentum instead of pushing on with a
-        velocity that helped build what was sent. Dense buckets are left alone."""
+        momentum buffer is zeroed (``momentum_masking=True``) or scaled by ``1 - strength``
+        at the positions it just sent, so a coordinate whose accumulated change has gone out
+        restarts (or damps) its momentum instead of pushing on with a velocity that helped
+        build what was sent. Dense buckets are left alone."""
+        keep = 1.0 - self._hs_engine.config.momentum_masking
         for b, idx in sent:
             if idx.numel() == 0:
                 continue
@@ -361,7 +374,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 at = idx[cuts[i]:cuts[i + 1]].to(device=buf.device, dtype=torch.int64) \
                     + (lo - off)
                 flat = buf.reshape(-1)
-                flat.index_fill_(0, at, 0)
+                if keep:
+                    flat.index_copy_(0, at, flat.index_select(0, at).mul_(keep))
+                else:
+                    flat.index_fill_(0, at, 0)
                 if flat.data_ptr() != buf.data_ptr():  # a non-contiguous buffer: copied back
                     buf.copy_(flat.view(buf.shape))
 

@@ -237,13 +237,15 @@ def test_cli_exchange_defaults(base, exchange, given, want):
 
 
 @pytest.mark.parametrize("argv, want", [
-    # (exchange, momentum masking, cool-down steps) for SGD with momentum, 300 steps
-    ([], ("update", True, 30)),  # updates, masking and the cool-down
-    (["--density-cooldown-steps", "0"], ("update", True, 0)),
-    (["--no-momentum-masking"], ("update", False, 30)),
-    (["--density-cooldown-steps", "12"], ("update", True, 12)),
-    (["--exchange", "gradient"], ("gradient", False, 0)),
-    (["--momentum-correction"], ("gradient", False, 0)),
+    # (exchange, momentum masking's strength, cool-down steps) for SGD with momentum, 300 steps
+    ([], ("update", 0.5, 30)),  # updates, half the momentum masked, and the cool-down
+    (["--density-cooldown-steps", "0"], ("update", 0.5, 0)),
+    (["--no-momentum-masking"], ("update", 0.0, 30)),
+    (["--momentum-masking"], ("update", 1.0, 30)),  # DGC's: zeroed where sent
+    (["--momentum-masking", "0.25"], ("update", 0.25, 30)),
+    (["--density-cooldown-steps", "12"], ("update", 0.5, 12)),
+    (["--exchange", "gradient"], ("gradient", 0.0, 0)),
+    (["--momentum-correction"], ("gradient", 0.0, 0)),
 ])
 def test_cli_sgd_exchanges_updates_masks_and_cools_down(argv, want):
     from hvd_sparse.train.__main__ import exchange_defaults, parse_args

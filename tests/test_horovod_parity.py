@@ -60,6 +60,12 @@ def test_gradients_written_through_data_are_exchanged_every_step(parity):
             assert got["moved"], density
 
 
+def test_a_layer_frozen_after_wrapping_stays_where_it_is(parity):
+    for r in parity:
+        got = r["frozen_after_wrapping"]
+        assert got["still"] and got["others_moved"] and got["same"]
+
+
 def test_each_process_set_keeps_its_own_replicas(tmp_path, mpi_available):
     """Two process sets of two ranks each (Horovod's static sets), each set's optimizer on its
     own set: replicas identical within a set, the sets training apart, for gradients (SGD)

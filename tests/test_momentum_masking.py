@@ -1,6 +1,7 @@
 """``momentum_masking``: with exchanged weight updates, each rank's SGD momentum buffer is
-zeroed exactly where that rank sent (DGC's momentum factor masking), nowhere else, in
-one-tensor and several-tensor buckets; clear errors where it cannot apply."""
+zeroed (or, at a strength below 1, scaled down) exactly where that rank sent (DGC's momentum
+factor masking), nowhere else, in one-tensor and several-tensor buckets; clear errors where it
+cannot apply."""
 import pytest
 import torch
 
@@ -96,9 +97,29 @@ def test_masking_is_refused_without_momentum():
         _build(momentum=0.0, exchange="update", momentum_masking=True)
 
 
-def test_masking_takes_a_bool():
+@pytest.mark.parametrize("strength", [0.5, 0.25])
+def test_a_partial_strength_scales_the_momentum_exactly_where_this_rank_sent(strength):
+    """``momentum_masking=s`` leaves ``(1 - s)`` of the momentum where this rank sent (k
+    positions per sparse bucket) and every other entry as plain SGD made it."""
+    model, _, before, after = _step(strength, "tensor")
+    scaled = 0
+    for b, a in zip(before, after):
+        kept = a == b
+        damped = (a == b * (1.0 - strength)) & (b != 0)
+        assert bool((kept | damped).all()), "the buffer changed other than by the masking"
+        scaled += int(damped.sum())
+    sizes = [p.numel() for p in model.parameters() if p.numel() >= 100]
+    assert scaled == sum(k_for_density(n, 0.02) for n in sizes)
+
+
+def test_masking_takes_a_bool_or_a_share():
     with pytest.raises(TypeError, match="momentum_masking"):
         _build(exchange="update", momentum_masking="yes")
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="momentum_masking"):
+            _build(exchange="update", momentum_masking=bad)
+    from hvd_sparse.engine.config import masking_strength
+    assert [masking_strength(v) for v in (True, False, 0, 1, 0.5)] == [1.0, 0.0, 0.0, 1.0, 0.5]
 
 
 def test_cooldown_with_updates_warns_for_adaptive_optimizers_only():

@@ -93,8 +93,9 @@ class EngineConfig:
     # a bucket of several tensors: the share of each tensor's own Top-K it keeps before the
     # rest of the bucket's budget goes to the largest entries anywhere (0: one global Top-K)
     layer_floor: float = 0.0
-    # exchanged updates: this rank's momentum buffer zeroed where it sent (DGC's masking)
-    momentum_masking: bool = False
+    # exchanged updates: the share of this rank's momentum buffer removed where it sent (1:
+    # zeroed, DGC's masking; 0: left alone)
+    momentum_masking: float = 0.0
 
     def describe(self) -> dict:
         """The options as plain values, for the cross-rank configuration digest."""
@@ -151,6 +152,18 @@ def _compressor(compression):
         raise TypeError(f"compression={compression!r} has no compress/decompress; pass one of "
                         "hvd.Compression.none or hvd.Compression.fp16 or a Compressor class")
     return compression
+
+
+def masking_strength(value) -> float:
+    """``momentum_masking`` as the share of the momentum removed where a rank sent: True is
+    1.0 (DGC's masking), False 0.0, a number in [0, 1] itself."""
+    if isinstance(value, bool):
+        return 1.0 if value else 0.0
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"momentum_masking must be a bool or a number in [0, 1], got {value!r}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"momentum_masking must be in [0, 1], got {value!r}")
+    return float(value)
 
 
 def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, compression,
@@ -230,10 +243,9 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
     _nonneg_int("verify_every", verify_every)
     if exchange not in EXCHANGES or exchange == "auto":
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-    if momentum_masking not in (True, False):
-        raise TypeError(f"momentum_masking must be True or False, got {momentum_masking!r}")
+    momentum_masking = masking_strength(momentum_masking)
     if momentum_masking and not (local_steps > 1 or exchange == "update"):
-        raise ValueError("momentum_masking=True applies where weight updates are exchanged "
+        raise ValueError("momentum_masking applies where weight updates are exchanged "
                          "(exchange='update' or local_steps > 1); where gradients are, "
                          "momentum_correction masks its own velocity")
     if (local_steps > 1 or exchange == "update") and backward_passes_per_step != 1:
@@ -272,4 +284,4 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         recalibrate_every=recalibrate_every, value_dtype=value_dtype, nonfinite=nonfinite,
         verify_every=verify_every, check_config=bool(check_config), collective=collective,
         sharded_selection=sharded_selection, rebalance_every=rebalance_every,
-        layer_floor=float(layer_floor), momentum_masking=bool(momentum_masking))
+        layer_floor=float(layer_floor), momentum_masking=momentum_masking)

@@ -31,7 +31,7 @@ def parse_args(argv=None):
                         "convergence study")
     p.add_argument("--model", default=None,
                    help="cnn | resnet | mlp11m | mlpdeep (fashion-mnist); "
-                        "lstm | gru | transformer (shakespeare, fortunes)")
+                        "lstm | gru | tcn | transformer (shakespeare, fortunes)")
     p.add_argument("--optimizer", default="sparse", choices=["sparse", "dense", "local"],
                    help="sparse: hvd_sparse; dense: Horovod's own (control); local: no exchange")
     p.add_argument("--sparsifier", default="topk",
@@ -88,10 +88,14 @@ def parse_args(argv=None):
     p.add_argument("--momentum-correction", action="store_true",
                    help="SGD: DGC's momentum correction (the engine keeps the velocity, with "
                         "--momentum as its factor; the wrapped SGD runs without momentum)")
-    p.add_argument("--momentum-masking", action=argparse.BooleanOptionalAction, default=None,
-                   help="SGD with exchanged updates: zero each rank's momentum buffer where it "
-                        "sent (DGC's masking; default: on wherever SGD with momentum exchanges "
+    p.add_argument("--momentum-masking", type=float, nargs="?", const=1.0, default=None,
+                   metavar="STRENGTH",
+                   help="SGD with exchanged updates: remove this share of each rank's momentum "
+                        "where it sent (alone: 1, DGC's masking, the buffer zeroed there; "
+                        f"default: {MASKING_STRENGTH} wherever SGD with momentum exchanges "
                         "updates, see exchange_defaults)")
+    p.add_argument("--no-momentum-masking", dest="momentum_masking", action="store_const",
+                   const=0.0, help="leave the momentum alone where a rank sent")
     p.add_argument("--min-sparse-numel", type=int, default=1024,
                    help="tensors with fewer entries are exchanged dense")
     p.add_argument("--index-coding", default=None, choices=["auto", "plain", "golomb"],
@@ -123,6 +127,8 @@ DEFAULTS = {"fashion-mnist": {"model": "cnn", "batch_size": 64, "lr": 0.05},
 # Transformer, the GRU's SGD rate from its dense runs on fortunes (900 steps, 2 ranks: 0.5
 # diverged, 0.3 beat 0.2 and 0.1)
 ADAMW_LR = 3e-3
+# the share of SGD's momentum removed where a rank sent (exchange_defaults)
+MASKING_STRENGTH = 0.5
 SGD_LR_BY_MODEL = {"gru": 0.3}
 
 
@@ -228,8 +234,8 @@ def exchange_defaults(args, base) -> None:
     if args.density_warmup_steps is None:
         args.density_warmup_steps = warmup_share(args.density, args.total_steps) if updates else 0
     if args.momentum_masking is None:
-        args.momentum_masking = bool(updates and not adaptive and any(
-            g.get("momentum", 0) for g in base.param_groups))
+        args.momentum_masking = MASKING_STRENGTH if updates and not adaptive and any(
+            g.get("momentum", 0) for g in base.param_groups) else 0.0
     if args.density_cooldown_steps is None:
         args.density_cooldown_steps = max(1, args.total_steps // 10) \
             if updates and not adaptive else 0
@@ -259,7 +265,7 @@ def build_optimizer(args, model, base, hvd):
     if args.momentum_correction:
         extra["momentum_correction"] = args.momentum
     if args.momentum_masking:
-        extra["momentum_masking"] = True
+        extra["momentum_masking"] = args.momentum_masking
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                     sparsifier=args.sparsifier, density=args.density,
                                     bidirectional=args.bidirectional,

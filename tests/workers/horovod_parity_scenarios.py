@@ -192,9 +192,31 @@ def scenario_gradients_written_through_data(res):
     res["data_written_grads"] = out
 
 
+def scenario_frozen_after_wrapping(res):
+    """A layer frozen after the optimizer was wrapped (fine-tuning's second stage), plain SGD:
+    under Horovod its zero gradient leaves it where it is; error feedback's held mass must not
+    move it either."""
+    torch.manual_seed(0)
+    m = net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters(), density=0.05,
+                                   cost_model="off")
+    torch.manual_seed(1 + hvd.rank())
+    train_step(m, opt)
+    m[0].weight.requires_grad_(False)
+    frozen = m[0].weight.detach().clone()
+    trained = m[2].weight.detach().clone()
+    for _ in range(5):
+        train_step(m, opt)
+    res["frozen_after_wrapping"] = {"still": torch.equal(m[0].weight, frozen),
+                                    "others_moved": not torch.equal(m[2].weight, trained),
+                                    "same": same_everywhere(list(m.parameters()))}
+
+
 SCENARIOS = [scenario_broadcast_state_every_optimizer, scenario_broadcast_options,
              scenario_frozen_and_integer_parameters, scenario_missing_gradient_on_one_rank,
-             scenario_synchronize_clip_and_warning, scenario_gradients_written_through_data]
+             scenario_synchronize_clip_and_warning, scenario_gradients_written_through_data,
+             scenario_frozen_after_wrapping]
 
 
 if __name__ == "__main__":
