@@ -15,7 +15,7 @@ from .sparsifiers import (AdaptiveTopK, GaussianK, HardThreshold, RandomK, Selec
                           SparseBinary, Sparsifier, TopK, make_sparsifier, threshold_for_k)
 
 __version__ = "0.1.0"
-__all__ = ["init", "DistributedOptimizer", "Sparsifier", "SelectionContext", "TopK", "GaussianK",
+__all__ = ["init", "join", "DistributedOptimizer", "Sparsifier", "SelectionContext", "TopK", "GaussianK",
            "HardThreshold", "AdaptiveTopK", "SparseBinary", "RandomK", "make_sparsifier",
            "threshold_for_k", "is_sparse_optimizer", "broadcast_optimizer_state",
            "merge_rank_states", "ShardedStateWarning"]
@@ -32,6 +32,27 @@ def init(*args, **kwargs):
                           "without Horovod use hvd_sparse.mpi") from exc
     core_sharing.prepare(waiting_threads=2)
     return _hvd.init(*args, **kwargs)
+
+
+def join(device=-1):
+    """Horovod's ``join`` (same argument, same return), refused with a clear error while an
+    hvd_sparse optimizer would exchange a bucket other than by allreduce: a joined rank stands
+    in for other ranks' allreduces with zeros, but not for the allgather of sparse payloads
+    (Horovod's background loop then fails or hangs). Uneven data with sparse buckets: give
+    every rank the same number of steps (drop or repeat the last batches). Where every bucket
+    is allreduced (dense by the cost model, or no sparse bucket) it is Horovod's join."""
+    from .optimizer import join_blockers
+
+    blocked = join_blockers()
+    if blocked:
+        names = ", ".join(blocked[:3]) + (f" and {len(blocked) - 3} more" if len(blocked) > 3
+                                          else "")
+        raise RuntimeError(
+            f"hvd.join() cannot serve hvd_sparse's sparse exchange (buckets {names} go by "
+            "allgather, which a joined rank cannot stand in for; Horovod would fail or hang): "
+            "give every rank the same number of steps (drop or repeat the last batches)")
+    import horovod.torch as _hvd
+    return _hvd.join(device)
 
 
 def __getattr__(name):

@@ -23,6 +23,7 @@ from .engine.config import EXCHANGES, adaptive_optimizer_classes, passes_per_ste
 from .transport import HorovodTransport, make_transport
 
 STATE_KEY = "hvd_sparse"
+_LIVE = weakref.WeakSet()  # every optimizer made here, while it lives (for hvd_sparse.join)
 
 
 class _SparseDistributedOptimizer(torch.optim.Optimizer):
@@ -74,11 +75,20 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if engine.transport.included() and not self._hs_passthrough:
             for p in self._hs_buckets_of:
                 self._hs_hook_handles.append(
-                    p.register_post_accumulate_grad_hook(self._hs_make_hook(p)))
+                    p.register_post_accumulate_grad_hook(self._hs_make_hook()))
 
     # ----------------------------------------------------------------- hooks
-    def _hs_make_hook(self, p):
-        def hook(_param):
+    def _hs_make_hook(self):
+        # the hook lives on the parameter, where Python's collector does not see it: a strong
+        # reference to the optimizer or to the parameter from it would keep the optimizer,
+        # its residuals and the model alive for the whole process (a leak per optimizer
+        # made); the parameter comes as the hook's argument
+        owner = weakref.ref(self)
+
+        def hook(p):
+            self = owner()
+            if self is None:
+                return
             if self._allreduce_delay[p] <= 0:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times before "
@@ -699,7 +709,24 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     wrapped._hs_init(named, Engine(config, plan, transport), exchange_auto=exchange_auto,
                      bidirectional_auto=bidirectional_auto,
                      process_set=process_set)
+    _LIVE.add(wrapped)
     return wrapped
+
+
+def join_blockers() -> list:
+    """Bucket names of the live optimizers that would exchange other than by allreduce next
+    step (see :func:`hvd_sparse.join`); optimizers no longer referenced (hooks make cycles)
+    are collected first."""
+    import gc
+
+    gc.collect()
+    out = []
+    for opt in list(_LIVE):
+        if opt._hs_passthrough or not opt._hs_transport.included() \
+                or opt._hs_transport.size() == 1:
+            continue
+        out += opt._hs_engine.join_blockers()
+    return out
 
 
 def _warn_step_after_synchronize():

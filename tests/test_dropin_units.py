@@ -586,3 +586,27 @@ def test_every_horovod_name_is_horovods_but_the_optimizer_and_init():
                  and getattr(hvd_sparse, n) is not getattr(real, n)]
     assert sorted(different) == sorted(ours)
     assert callable(hvd_sparse.broadcast) and callable(hvd_sparse.allreduce_)
+
+
+@pytest.mark.parametrize("exchange", ["gradient", "update"])
+def test_a_dropped_optimizer_and_its_model_are_freed(exchange):
+    """The gradient hooks live on the parameters, where Python's collector cannot see them:
+    an optimizer (residuals, anchors) and its model must still be freed once the user drops
+    them, as a plain torch optimizer is (they leaked, one full model per optimizer made)."""
+    import gc
+    import weakref
+
+    def make():
+        model = torch.nn.Linear(300, 200)
+        opt = hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters(), density=0.05, cost_model="off",
+            exchange=exchange, transport=LocalTransport())
+        model(torch.randn(4, 300)).sum().backward()
+        opt.step()
+        assert opt._hs_hook_handles, "no hooks: nothing tested"
+        return weakref.ref(model.weight), weakref.ref(opt)
+
+    weight, opt = make()
+    gc.collect()
+    assert opt() is None and weight() is None

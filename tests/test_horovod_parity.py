@@ -66,6 +66,13 @@ def test_a_layer_frozen_after_wrapping_stays_where_it_is(parity):
         assert got["still"] and got["others_moved"] and got["same"]
 
 
+def test_join_is_refused_clearly_with_sparse_buckets_and_works_dense(parity):
+    for r in parity:
+        sparse, dense = r["join"]["0.05"], r["join"]["1.0"]
+        assert "hvd.join()" in sparse.get("error", "") and "same number of steps" in sparse["error"]
+        assert "returned" in dense, dense
+
+
 def test_each_process_set_keeps_its_own_replicas(tmp_path, mpi_available):
     """Two process sets of two ranks each (Horovod's static sets), each set's optimizer on its
     own set: replicas identical within a set, the sets training apart, for gradients (SGD)

@@ -406,6 +406,12 @@ class Engine:
                 return dense
         return None
 
+    def join_blockers(self) -> List[str]:
+        """The buckets whose next exchange is not an allreduce (a sparse allgather or
+        all-to-all, a dense gather): a rank inside Horovod's ``join()`` stands in for
+        allreduces only, with zeros."""
+        return [b.name for b in self.buckets if self.mode(b) != "reduce"]
+
     def launch(self, b, flat=None, sparse_ids=frozenset(), delta=None):
         """Run a bucket's uplink and start its collective (``flat``: given by the
         communication-delay path; otherwise the gradients are read). ``delta``: ``flat`` is

@@ -213,10 +213,34 @@ def scenario_frozen_after_wrapping(res):
                                     "same": same_everywhere(list(m.parameters()))}
 
 
+def scenario_join(res):
+    """``hvd.join()`` on every rank after a step: refused with a clear error while a bucket
+    goes sparse (Horovod's allgather cannot serve a joined rank: its background loop failed or
+    hung), Horovod's own join where everything is allreduced."""
+    import gc
+
+    out = {}
+    # at density 1 the byte cost model sends every bucket dense (allreduce)
+    for density, cost_model in ((0.05, "off"), (1.0, "bytes")):
+        torch.manual_seed(0)
+        m = net()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                       named_parameters=m.named_parameters(), density=density,
+                                       cost_model=cost_model)
+        train_step(m, opt)
+        try:
+            out[str(density)] = {"returned": hvd.join()}
+        except RuntimeError as e:
+            out[str(density)] = {"error": str(e)}
+        del m, opt
+        gc.collect()
+    res["join"] = out
+
+
 SCENARIOS = [scenario_broadcast_state_every_optimizer, scenario_broadcast_options,
              scenario_frozen_and_integer_parameters, scenario_missing_gradient_on_one_rank,
              scenario_synchronize_clip_and_warning, scenario_gradients_written_through_data,
-             scenario_frozen_after_wrapping]
+             scenario_frozen_after_wrapping, scenario_join]
 
 
 if __name__ == "__main__":
