@@ -5,7 +5,8 @@
 and every other name a Horovod training script uses (``init``, ``rank``, ``size``, ``broadcast_parameters``,
 ``broadcast_optimizer_state``, ``Compression``, ``Average``, ``elastic``, ...) is Horovod's own,
 looked up in ``horovod.torch`` on first use. ``init`` is Horovod's too, after one preparation
-of the MPI environment (:mod:`hvd_sparse.core_sharing`).
+of the MPI environment (:mod:`hvd_sparse.core_sharing`), and so is ``join``, behind a check
+that no sparse bucket needs the joined rank (:func:`join`).
 """
 from . import core_sharing
 from .state_broadcast import broadcast_optimizer_state

@@ -549,8 +549,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     DGC's aids: ``momentum_correction`` (velocity factor, with masking; use a base optimizer
     without momentum), ``local_clip_norm``, ``density_warmup_steps``, ``dense_warmup_steps``,
     and where weight updates are exchanged ``momentum_masking`` (the wrapped optimizer's
-    ``momentum_buffer``, SGD's, zeroed at the positions this rank sent; with it the density
-    cool-down helps exchanged updates: README "Convergence").
+    ``momentum_buffer``, SGD's, zeroed at the positions this rank sent with ``True``, scaled
+    by ``1 - s`` with a strength ``s`` in [0, 1]; with it the density cool-down helps
+    exchanged updates: README "Convergence"; the training CLI uses 0.5).
     ``local_steps`` > 1 is SBC's communication delay: that many local steps, then the accumulated
     weight update is exchanged instead of gradients. ``exchange="update"`` does that every step:
     each rank steps the wrapped optimizer on its own gradient and the weight change is sparsified

@@ -213,11 +213,14 @@ def exchange_defaults(args, base) -> None:
       seeds, -0.49 pt test accuracy against dense against -1.89. The cool-down (twenty-first
       session, 3 seeds each, 2 ranks): char-LSTM (900 steps) +3.9% against +4.3% without it,
       held-out GRU on fortune cookies +3.8% against +5.2%, ResNet -0.15 pt (5 seeds) against
-      -0.25. Where SGD has momentum, DGC's momentum masking too: at each model's best dense
-      rate it is the robust choice (LSTM at 0.5: +1.8% against +3.9%; held-out GRU at 0.3:
-      +3.4 / +3.2% against +2.3 / +15.2%, the latter a run knocked off course early), though
-      at a rate below the best it cost the GRU (0.2: +6.1% against +3.8%; README
-      "Convergence"). Where a gradient lever is asked for
+      -0.25. Where SGD has momentum, DGC's momentum masking at half strength too (the
+      momentum scaled by 0.5 where a rank sent, :data:`MASKING_STRENGTH`): full masking
+      steadied runs at a model's best dense rate (GRU at 0.3: +3.4 / +3.2% against +2.3 /
+      +15.2% without, the latter knocked off course early) but cost below it (GRU at 0.2:
+      +6.0% against +3.7%); half was at or near the better of the two in every case measured
+      (GRU +2.8 / +2.0% at 0.3, +3.9% at 0.2; LSTM +1.2 / +1.8% against +1.4 / +2.0% with full
+      masking; ResNet -0.15 / -0.13 pt; README "Convergence"). Where a gradient lever is
+      asked for
       (``--momentum-correction``) gradients stay, with the downlink selection.
 
     The warm-up and cool-down need the run's length, which only the run knows, so the library's
