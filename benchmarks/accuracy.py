@@ -105,6 +105,10 @@ def runs(args):
                     "--density-warmup-steps", warm, "--exchange", "update",
                     "--no-bidirectional", "--momentum-masking", "--density-cooldown-steps",
                     warm]),
+                ("warmup-update-unidirectional-mask0.5-cooldown", [
+                    "--density-warmup-steps", warm, "--exchange", "update",
+                    "--no-bidirectional", "--momentum-masking", "0.5",
+                    "--density-cooldown-steps", warm]),
                 # the cool-down without the masking (the held-out GRU's better setting:
                 # benchmarks/heldout.py)
                 ("warmup-update-unidirectional-cooldown", [

@@ -126,6 +126,11 @@ def levers(steps):
         "topk1%-update-unidirectional-warmup-mask-cooldown": [
             "--density", "0.01", *update, "--no-bidirectional", *warm, *cool,
             "--momentum-masking"],
+        # masking at half strength (the momentum scaled by 0.5 where sent; the CLI's default
+        # since the twenty-second session)
+        "topk1%-update-unidirectional-warmup-mask0.5-cooldown": [
+            "--density", "0.01", *update, "--no-bidirectional", *warm, *cool,
+            "--momentum-masking", "0.5"],
         "topk1%-update-unidirectional-dense10": ["--density", "0.01", *update,
                                                  "--no-bidirectional",
                                                  "--dense-warmup-steps", "10"],
