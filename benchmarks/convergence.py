@@ -154,6 +154,9 @@ def levers(steps):
         "topk0.1%-update-unidirectional-warmup5-mask-cooldown": [
             "--density", "0.001", *update, "--no-bidirectional", *warm5, *cool,
             "--momentum-masking"],
+        "topk0.1%-update-unidirectional-warmup5-mask0.5-cooldown": [
+            "--density", "0.001", *update, "--no-bidirectional", *warm5, *cool,
+            "--momentum-masking", "0.5"],
         # the LSTM's best SGD levers together, with the small tensors dense; and at 0.1%
         "topk1%-grad-momcorr-global-warmup-smalldense": ["--density", "0.01", *grad,
                                                          "--momentum-correction", "--scope",

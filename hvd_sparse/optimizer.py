@@ -345,6 +345,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         """Communication delay (SBC): local steps, then the engine exchanges the weight change."""
         engine = self._hs_engine
         engine.ensure_anchors()
+        engine.follow_outside_changes()
         if self._hs_transport.included():
             self._hs_fill_missing_grads()
             self._hs_check_unexchanged()
@@ -431,6 +432,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         out["totals"]["uplink_commits"] = dict(engine.commits)
         out["totals"]["gradient_reads"] = dict(engine.gradient_reads)
         out["totals"]["weight_change_reads"] = dict(engine.weight_change_reads)
+        out["totals"]["outside_changes"] = engine.outside_changes
         out["cost_model"] = engine.cost_report()
         out["exchange"] = "update" if engine.config.exchanges_updates else "gradient"
         out["bidirectional"] = engine.config.bidirectional

@@ -610,3 +610,78 @@ def test_a_dropped_optimizer_and_its_model_are_freed(exchange):
     weight, opt = make()
     gc.collect()
     assert opt() is None and weight() is None
+
+
+def _update_exchange(opt_cls, lr, dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 200), torch.nn.ReLU(),
+                                torch.nn.Linear(200, 7)).to(dtype)
+    opt = hvd_sparse.DistributedOptimizer(
+        opt_cls(model.parameters(), lr=lr), named_parameters=model.named_parameters(),
+        density=0.05, cost_model="off", check_config=False, transport=LocalTransport(),
+        min_sparse_numel=100, **kw)
+    return model, opt
+
+
+def _train(model, opt, gen, steps, dtype=torch.float32, after=None):
+    for _ in range(steps):
+        x, y = torch.randn(16, 30, generator=gen).to(dtype), torch.randint(0, 7, (16,),
+                                                                            generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x).float(), y).backward()
+        opt.step()
+        if after is not None:
+            after()
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kw", [dict(exchange="update"), dict(exchange="update",
+                                                              bidirectional=True),
+                                dict(local_steps=2)])
+def test_exchanged_updates_leave_parameters_at_their_anchor(dtype, kw):
+    """After each exchange the parameters equal the anchor bit for bit, so the check for
+    changes made outside the optimizer never fires on a plain loop (a false one would
+    re-anchor, a copy per step, at the parameters' own precision)."""
+    model, opt = _update_exchange(lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9),
+                                  0.05, dtype, **kw)
+    _train(model, opt, torch.Generator().manual_seed(1), 12, dtype)
+    assert opt.communication_stats()["totals"]["outside_changes"] == 0
+
+
+def test_weights_reloaded_into_the_model_stand_under_exchanged_updates():
+    """``model.load_state_dict(earlier)`` mid-run with AdamW (updates exchanged): the next
+    step starts from the reloaded weights, as under Horovod; it was taken for part of the
+    update and mostly reverted by error feedback."""
+    model, opt = _update_exchange(torch.optim.AdamW, 0.01)
+    gen = torch.Generator().manual_seed(1)
+    _train(model, opt, gen, 3)
+    earlier = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, gen, 10)
+    before_reload = _flat(model)
+    model.load_state_dict(earlier)
+    _train(model, opt, gen, 1)
+    now, start = _flat(model), torch.cat([v.reshape(-1) for v in earlier.values()])
+    assert float((now - start).norm()) < 0.5 * float((now - before_reload).norm())
+    assert opt.communication_stats()["totals"]["outside_changes"] > 0
+
+
+def test_a_weight_clip_after_each_step_holds_under_exchanged_updates():
+    """WGAN's critic: RMSprop, weights clamped to [-c, c] through ``p.data`` after each
+    step. The clamp must hold the weights near c; taken for part of the next update, it
+    drove them away (to 8.0 in 20 steps at c = 0.01)."""
+    model, opt = _update_exchange(torch.optim.RMSprop, 5e-3)
+
+    def clamp():
+        for p in model.parameters():
+            p.data.clamp_(-0.01, 0.01)
+
+    _train(model, opt, torch.Generator().manual_seed(1), 20, after=clamp)
+    opt.zero_grad()
+    x = torch.randn(16, 30)
+    F.cross_entropy(model(x), torch.randint(0, 7, (16,))).backward()
+    opt.step()
+    assert float(_flat(model).abs().max()) < 0.5

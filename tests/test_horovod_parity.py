@@ -73,6 +73,11 @@ def test_join_is_refused_clearly_with_sparse_buckets_and_works_dense(parity):
         assert "returned" in dense, dense
 
 
+def test_weights_reloaded_and_broadcast_stand_under_exchanged_updates(parity):
+    for r in parity:
+        assert r["reload_with_updates"] == {"stands": True, "same": True}
+
+
 def test_each_process_set_keeps_its_own_replicas(tmp_path, mpi_available):
     """Two process sets of two ranks each (Horovod's static sets), each set's optimizer on its
     own set: replicas identical within a set, the sets training apart, for gradients (SGD)

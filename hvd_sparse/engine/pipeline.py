@@ -118,6 +118,10 @@ class Engine:
         # exchanged updates: the weight change formed by the uplink scan from params and
         # anchor, or written whole first
         self.weight_change_reads = {"in_scan": 0, "written": 0}
+        # exchanged updates: buckets whose parameters were found changed outside the optimizer
+        # between an exchange and the next local step, and re-anchored (follow_outside_changes)
+        self.outside_changes = 0
+        self._probes = {}  # bucket index -> [(param, local positions, anchor positions)]
         # HVD_SPARSE_ACC_IN_SCAN=off: no acc written by the uplink scan, one commit pass after
         # the collective instead (the same bits; saves a spare buffer per one-parameter bucket)
         self._acc_in_scan = os.environ.get("HVD_SPARSE_ACC_IN_SCAN", "on") != "off"
@@ -1249,6 +1253,47 @@ class Engine:
             st = self.state[b.index]
             if st.anchor is None:
                 st.anchor = self.flat_params(b)
+
+    # positions checked per parameter, and parameters per bucket, by follow_outside_changes
+    PROBES_PER_PARAM, PROBED_PARAMS = 8, 16
+
+    def follow_outside_changes(self) -> None:
+        """Before the first local step after an exchange, where each bucket's parameters
+        equal its anchor bit for bit unless something outside the optimizer changed them
+        (weights reloaded into the model, a clip after each step, ``p.data`` writes): a bucket
+        found changed is re-anchored at its current parameters, so the change stands, as it
+        does under Horovod, instead of being taken for part of this rank's update (then sent
+        back through error feedback, which undid a reload and let a clip push the weights
+        away). Checked at a few fixed positions of up to 16 parameters per bucket (no pass
+        over the parameters; a change that misses every position is exchanged as before),
+        the same positions on every rank, so identical replicas decide alike without a
+        collective."""
+        if self.local_count % self.config.local_steps:
+            return
+        for b in self.buckets:
+            st = self.state[b.index]
+            if st.anchor is None:
+                continue
+            probes = self._probes.get(b.index)
+            if probes is None:
+                probes = self._probes[b.index] = self._probe_positions(b, st.anchor.device)
+            if all(torch.equal(torch.take(p.detach(), local), st.anchor[flat].to(p.dtype))
+                   for p, local, flat in probes):  # take: any strides, nothing copied
+                continue
+            self.outside_changes += 1
+            for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+                st.anchor[off:off + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
+
+    def _probe_positions(self, b, device):
+        pieces = list(zip(b.params, b.offsets, b.slices))
+        step = max(1, len(pieces) // self.PROBED_PARAMS)
+        out = []
+        for p, off, (lo, hi) in pieces[::step]:
+            n = hi - lo
+            local = torch.unique(torch.linspace(0, n - 1, min(n, self.PROBES_PER_PARAM),
+                                                device=device).round().long())
+            out.append((p, (local + lo).to(p.device), local + off))
+        return out
 
     def exchange_deltas(self):
         """Every bucket's change since the last exchange, sparsified with error feedback and

@@ -237,10 +237,37 @@ def scenario_join(res):
     res["join"] = out
 
 
+def scenario_reload_weights_with_updates(res):
+    """Rank 0 reloads earlier weights into the model mid-run and broadcasts them (AdamW,
+    updates exchanged): the next step starts from them on every rank, as under Horovod (the
+    reload was taken for part of the update and mostly undone), and the replicas agree."""
+    torch.manual_seed(0)
+    m = net()
+    opt = hvd.DistributedOptimizer(torch.optim.AdamW(m.parameters(), lr=0.01),
+                                   named_parameters=m.named_parameters(), density=0.05,
+                                   cost_model="off")
+    torch.manual_seed(1 + hvd.rank())
+    for _ in range(3):
+        train_step(m, opt)
+    earlier = copy.deepcopy(m.state_dict())
+    for _ in range(10):
+        train_step(m, opt)
+    flat = lambda tensors: torch.cat([t.detach().reshape(-1) for t in tensors])
+    before = flat(m.parameters())
+    if hvd.rank() == 0:
+        m.load_state_dict(earlier)
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    train_step(m, opt)
+    now, start = flat(m.parameters()), flat(earlier.values())
+    res["reload_with_updates"] = {
+        "stands": float((now - start).norm()) < 0.5 * float((now - before).norm()),
+        "same": same_everywhere(list(m.parameters()))}
+
+
 SCENARIOS = [scenario_broadcast_state_every_optimizer, scenario_broadcast_options,
              scenario_frozen_and_integer_parameters, scenario_missing_gradient_on_one_rank,
              scenario_synchronize_clip_and_warning, scenario_gradients_written_through_data,
-             scenario_frozen_after_wrapping, scenario_join]
+             scenario_frozen_after_wrapping, scenario_join, scenario_reload_weights_with_updates]
 
 
 if __name__ == "__main__":
