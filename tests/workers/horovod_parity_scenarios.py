@@ -192,16 +192,23 @@ def scenario_gradients_written_through_data(res):
     res["data_written_grads"] = out
 
 
+def sparse_job(opt_cls, **kw):
+    """A fresh model (seed 0) and its optimizer at density 0.05, the cost model off (every
+    large bucket sparse); then each rank its own batches."""
+    torch.manual_seed(0)
+    m = net()
+    opt = hvd.DistributedOptimizer(opt_cls(m.parameters(), lr=kw.pop("lr", 0.1)),
+                                   named_parameters=m.named_parameters(), density=0.05,
+                                   cost_model="off", **kw)
+    torch.manual_seed(1 + hvd.rank())
+    return m, opt
+
+
 def scenario_frozen_after_wrapping(res):
     """A layer frozen after the optimizer was wrapped (fine-tuning's second stage), plain SGD:
     under Horovod its zero gradient leaves it where it is; error feedback's held mass must not
     move it either."""
-    torch.manual_seed(0)
-    m = net()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                   named_parameters=m.named_parameters(), density=0.05,
-                                   cost_model="off")
-    torch.manual_seed(1 + hvd.rank())
+    m, opt = sparse_job(torch.optim.SGD)
     train_step(m, opt)
     m[0].weight.requires_grad_(False)
     frozen = m[0].weight.detach().clone()
@@ -241,12 +248,7 @@ def scenario_reload_weights_with_updates(res):
     """Rank 0 reloads earlier weights into the model mid-run and broadcasts them (AdamW,
     updates exchanged): the next step starts from them on every rank, as under Horovod (the
     reload was taken for part of the update and mostly undone), and the replicas agree."""
-    torch.manual_seed(0)
-    m = net()
-    opt = hvd.DistributedOptimizer(torch.optim.AdamW(m.parameters(), lr=0.01),
-                                   named_parameters=m.named_parameters(), density=0.05,
-                                   cost_model="off")
-    torch.manual_seed(1 + hvd.rank())
+    m, opt = sparse_job(torch.optim.AdamW, lr=0.01)
     for _ in range(3):
         train_step(m, opt)
     earlier = copy.deepcopy(m.state_dict())
