@@ -28,6 +28,7 @@ import warnings
 from types import MappingProxyType
 from typing import Dict, List, NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from .. import aggregation, checkpoint, costmodel, kernels, safety, wire
@@ -86,6 +87,17 @@ class BucketView(NamedTuple):
     bounds: Optional[tuple] = None  # sharded exchange: the region bounds (P + 1 positions)
 
 
+
+def _numpy_view(p) -> "Optional[np.ndarray]":
+    """A flat numpy view of a contiguous CPU parameter of a dtype numpy has (shares its memory,
+    made anew if ``p.data`` was replaced), else None."""
+    if p.device.type != "cpu" or p.dtype not in _NUMPY_FLOATS or not p.is_contiguous():
+        return None
+    return p.detach().numpy().reshape(-1)
+
+
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+
 class Engine:
     """Per-bucket sparse exchange with error feedback in both directions (see module doc)."""
 
@@ -121,7 +133,8 @@ class Engine:
         # exchanged updates: buckets whose parameters were found changed outside the optimizer
         # between an exchange and the next local step, and re-anchored (follow_outside_changes)
         self.outside_changes = 0
-        self._probes = {}  # bucket index -> [(param, local positions, anchor positions)]
+        self._probes = None  # follow_outside_changes' positions (_probe_plan), made once
+        self._views = {}  # parameter or bucket index -> (data pointer, numpy view of it/anchor)
         # HVD_SPARSE_ACC_IN_SCAN=off: no acc written by the uplink scan, one commit pass after
         # the collective instead (the same bits; saves a spare buffer per one-parameter bucket)
         self._acc_in_scan = os.environ.get("HVD_SPARSE_ACC_IN_SCAN", "on") != "off"
@@ -1267,32 +1280,71 @@ class Engine:
         away). Checked at a few fixed positions of up to 16 parameters per bucket (no pass
         over the parameters; a change that misses every position is exchanged as before),
         the same positions on every rank, so identical replicas decide alike without a
-        collective."""
+        collective; one gather per parameter and one read per device for all buckets."""
         if self.local_count % self.config.local_steps:
             return
-        for b in self.buckets:
-            st = self.state[b.index]
-            if st.anchor is None:
-                continue
-            probes = self._probes.get(b.index)
-            if probes is None:
-                probes = self._probes[b.index] = self._probe_positions(b, st.anchor.device)
-            if all(torch.equal(torch.take(p.detach(), local), st.anchor[flat].to(p.dtype))
-                   for p, local, flat in probes):  # take: any strides, nothing copied
-                continue
-            self.outside_changes += 1
-            for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
-                st.anchor[off:off + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
+        if self._probes is None:
+            self._probes = self._probe_plan()
+        for buckets, pieces, flats, owner, pieces_np, flats_np, owner_np in self._probes:
+            views = [self._view(p) for p, _ in pieces] if owner.device.type == "cpu" else [None]
+            if all(v is not None for v in views):
+                # numpy views: a fancy index per parameter costs far less than a torch op
+                got = np.concatenate([v[local] for v, (_, local) in zip(views, pieces_np)])
+                want = np.concatenate([
+                    self._view(self.state[b.index].anchor, b.index)[flat]
+                    for b, flat in zip(buckets, flats_np)]).astype(got.dtype)
+                changed = np.bincount(owner_np, weights=got != want,
+                                      minlength=len(buckets)).tolist()
+            else:
+                got = torch.cat([torch.take(p.detach(), local) for p, local in pieces])
+                want = torch.cat([self.state[b.index].anchor[flat].to(got.dtype)
+                                  for b, flat in zip(buckets, flats)])
+                changed = torch.zeros(len(buckets), dtype=torch.int32, device=got.device)
+                changed = changed.index_add_(0, owner, (got != want).to(torch.int32)).tolist()
+            for b, c in zip(buckets, changed):
+                if c:
+                    self.outside_changes += 1
+                    anchor = self.state[b.index].anchor
+                    for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+                        anchor[off:off + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
 
-    def _probe_positions(self, b, device):
-        pieces = list(zip(b.params, b.offsets, b.slices))
-        step = max(1, len(pieces) // self.PROBED_PARAMS)
+    def _view(self, t, key=None):
+        """:func:`_numpy_view` of ``t`` (a parameter, or the anchor of bucket ``key``), kept
+        while it keeps its memory."""
+        key = t if key is None else key
+        ptr = t.data_ptr()
+        kept = self._views.get(key)
+        if kept is None or kept[0] != ptr:
+            kept = self._views[key] = (ptr, _numpy_view(t))
+        return kept[1]
+
+    def _probe_plan(self):
+        """Per (device, dtype) of the buckets: the buckets, each probed parameter with its
+        positions, each bucket's anchor positions, and which bucket each position is of."""
+        groups = {}
+        for b in self.buckets:
+            anchor = self.state[b.index].anchor
+            pieces = list(zip(b.params, b.offsets, b.slices))
+            g = groups.setdefault((anchor.device, b.dtype), ([], [], [], []))
+            flat = []
+            for p, off, (lo, hi) in pieces[::max(1, len(pieces) // self.PROBED_PARAMS)]:
+                n = hi - lo
+                local = torch.unique(torch.linspace(0, n - 1, min(n, self.PROBES_PER_PARAM),
+                                                    device=anchor.device).round().long())
+                g[1].append((p, (local + lo).to(p.device)))
+                flat.append(local + off)
+                g[3].append(torch.full((local.numel(),), len(g[0]), dtype=torch.long,
+                                       device=anchor.device))
+            g[0].append(b)
+            g[2].append(torch.cat(flat))
         out = []
-        for p, off, (lo, hi) in pieces[::step]:
-            n = hi - lo
-            local = torch.unique(torch.linspace(0, n - 1, min(n, self.PROBES_PER_PARAM),
-                                                device=device).round().long())
-            out.append((p, (local + lo).to(p.device), local + off))
+        for bs, pieces, flats, owner in groups.values():
+            owner = torch.cat(owner)
+            cpu_side = owner.device.type == "cpu"  # numpy copies of the positions as well
+            out.append((bs, pieces, flats, owner,
+                        [(p, local.numpy()) for p, local in pieces] if cpu_side else None,
+                        [f.numpy() for f in flats] if cpu_side else None,
+                        owner.numpy() if cpu_side else None))
         return out
 
     def exchange_deltas(self):
