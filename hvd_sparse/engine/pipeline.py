@@ -1291,7 +1291,7 @@ class Engine:
                 # numpy views: a fancy index per parameter costs far less than a torch op
                 got = np.concatenate([v[local] for v, (_, local) in zip(views, pieces_np)])
                 want = np.concatenate([
-                    self._view(self.state[b.index].anchor, b.index)[flat]
+                    self._view(self.state[b.index].anchor, ("anchor", b.index))[flat]
                     for b, flat in zip(buckets, flats_np)]).astype(got.dtype)
                 changed = np.bincount(owner_np, weights=got != want,
                                       minlength=len(buckets)).tolist()
