@@ -718,7 +718,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
 
 def join_blockers() -> list:
     """Bucket names of the live optimizers that would exchange other than by allreduce next
-    step (see :func:`hvd_sparse.join`); optimizers no longer referenced (hooks make cycles)
+    step (see :func:`hvd_sparse.join`); optimizers no longer referenced (in reference cycles)
     are collected first."""
     import gc
 

@@ -87,16 +87,16 @@ class BucketView(NamedTuple):
     bounds: Optional[tuple] = None  # sharded exchange: the region bounds (P + 1 positions)
 
 
-
 def _numpy_view(p) -> "Optional[np.ndarray]":
-    """A flat numpy view of a contiguous CPU parameter of a dtype numpy has (shares its memory,
-    made anew if ``p.data`` was replaced), else None."""
+    """A flat numpy view of a contiguous CPU tensor of a dtype numpy has (it shares the
+    tensor's memory), else None."""
     if p.device.type != "cpu" or p.dtype not in _NUMPY_FLOATS or not p.is_contiguous():
         return None
     return p.detach().numpy().reshape(-1)
 
 
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+
 
 class Engine:
     """Per-bucket sparse exchange with error feedback in both directions (see module doc)."""
@@ -1309,8 +1309,8 @@ class Engine:
                         anchor[off:off + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
 
     def _view(self, t, key=None):
-        """:func:`_numpy_view` of ``t`` (a parameter, or the anchor of bucket ``key``), kept
-        while it keeps its memory."""
+        """:func:`_numpy_view` of ``t`` (a parameter, or a bucket's anchor under ``key``),
+        kept while ``t`` keeps its memory (made anew after ``p.data = ...`` or a reload)."""
         key = t if key is None else key
         ptr = t.data_ptr()
         kept = self._views.get(key)
