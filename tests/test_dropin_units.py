@@ -623,7 +623,7 @@ def _update_exchange(opt_cls, lr, dtype=torch.float32, **kw):
     return model, opt
 
 
-def _train(model, opt, gen, steps, dtype=torch.float32, after=None):
+def _train_batches(model, opt, gen, steps, dtype=torch.float32, after=None):
     for _ in range(steps):
         x, y = torch.randn(16, 30, generator=gen).to(dtype), torch.randint(0, 7, (16,),
                                                                             generator=gen)
@@ -648,7 +648,7 @@ def test_exchanged_updates_leave_parameters_at_their_anchor(dtype, kw):
     re-anchor, a copy per step, at the parameters' own precision)."""
     model, opt = _update_exchange(lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9),
                                   0.05, dtype, **kw)
-    _train(model, opt, torch.Generator().manual_seed(1), 12, dtype)
+    _train_batches(model, opt, torch.Generator().manual_seed(1), 12, dtype)
     assert opt.communication_stats()["totals"]["outside_changes"] == 0
 
 
@@ -658,12 +658,12 @@ def test_weights_reloaded_into_the_model_stand_under_exchanged_updates():
     update and mostly reverted by error feedback."""
     model, opt = _update_exchange(torch.optim.AdamW, 0.01)
     gen = torch.Generator().manual_seed(1)
-    _train(model, opt, gen, 3)
+    _train_batches(model, opt, gen, 3)
     earlier = {k: v.clone() for k, v in model.state_dict().items()}
-    _train(model, opt, gen, 10)
+    _train_batches(model, opt, gen, 10)
     before_reload = _flat(model)
     model.load_state_dict(earlier)
-    _train(model, opt, gen, 1)
+    _train_batches(model, opt, gen, 1)
     now, start = _flat(model), torch.cat([v.reshape(-1) for v in earlier.values()])
     assert float((now - start).norm()) < 0.5 * float((now - before_reload).norm())
     assert opt.communication_stats()["totals"]["outside_changes"] > 0
@@ -679,7 +679,7 @@ def test_a_weight_clip_after_each_step_holds_under_exchanged_updates():
         for p in model.parameters():
             p.data.clamp_(-0.01, 0.01)
 
-    _train(model, opt, torch.Generator().manual_seed(1), 20, after=clamp)
+    _train_batches(model, opt, torch.Generator().manual_seed(1), 20, after=clamp)
     opt.zero_grad()
     x = torch.randn(16, 30)
     F.cross_entropy(model(x), torch.randint(0, 7, (16,))).backward()
