@@ -98,6 +98,16 @@ def _numpy_view(p) -> "Optional[np.ndarray]":
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 
 
+class _Probes(NamedTuple):
+    """follow_outside_changes' positions for the buckets of one (device, dtype)."""
+
+    buckets: list
+    pieces: list  # (parameter, its probed flat positions)
+    flats: list  # per bucket: the same positions in its anchor
+    owner: torch.Tensor  # per position: the index of its bucket in ``buckets``
+    numpy: Optional[tuple] = None  # on the CPU: (pieces, flats, owner) with numpy positions
+
+
 class Engine:
     """Per-bucket sparse exchange with error feedback in both directions (see module doc)."""
 
@@ -1285,9 +1295,10 @@ class Engine:
             return
         if self._probes is None:
             self._probes = self._probe_plan()
-        for buckets, pieces, flats, owner, pieces_np, flats_np, owner_np in self._probes:
-            views = [self._view(p) for p, _ in pieces] if owner.device.type == "cpu" else [None]
+        for buckets, pieces, flats, owner, as_numpy in self._probes:
+            views = [self._view(p) for p, _ in pieces] if as_numpy else [None]
             if all(v is not None for v in views):
+                pieces_np, flats_np, owner_np = as_numpy
                 # numpy views: a fancy index per parameter costs far less than a torch op
                 got = np.concatenate([v[local] for v, (_, local) in zip(views, pieces_np)])
                 want = np.concatenate([
@@ -1340,11 +1351,9 @@ class Engine:
         out = []
         for bs, pieces, flats, owner in groups.values():
             owner = torch.cat(owner)
-            cpu_side = owner.device.type == "cpu"  # numpy copies of the positions as well
-            out.append((bs, pieces, flats, owner,
-                        [(p, local.numpy()) for p, local in pieces] if cpu_side else None,
-                        [f.numpy() for f in flats] if cpu_side else None,
-                        owner.numpy() if cpu_side else None))
+            as_numpy = ([(p, local.numpy()) for p, local in pieces], [f.numpy() for f in flats],
+                        owner.numpy()) if owner.device.type == "cpu" else None
+            out.append(_Probes(bs, pieces, flats, owner, as_numpy))
         return out
 
     def exchange_deltas(self):
