@@ -117,6 +117,23 @@ def runs(args):
                 # the downlink selection named, since the CLI drops it from 3 ranks
                 ("warmup-update-bidirectional", ["--density-warmup-steps", warm,
                                                  "--exchange", "update", "--bidirectional"]))},
+        # 0.1% under the cosine schedule: the training CLI's SGD default at that density
+        # (updates, the warm-up over 5% of the run, half masking, the cool-down) with the
+        # layer-wise selection and with one global Top-K (the held-out TCN and GRU gained
+        # from it at 0.1%)
+        **{f"fashion/topk-0.1%-cosine-default{tag}": fm + [
+            "--density", "0.001", "--cost-model", "off", "--collective", "allgather",
+            "--lr-schedule", "cosine", "--density-warmup-steps", str(max(1, int(warm) // 2)),
+            "--exchange", "update", "--no-bidirectional", "--momentum-masking", "0.5",
+            "--density-cooldown-steps", warm, *flags]
+           for tag, flags in (("", []), ("-global", ["--scope", "model"]))},
+        # and the char-LSTM's best 0.1% setting (gradients, DGC's momentum correction, one
+        # global Top-K, the warm-up over 5%, no downlink selection, the cool-down)
+        "fashion/topk-0.1%-cosine-momcorr-global-cooldown": fm + [
+            "--density", "0.001", "--cost-model", "off", "--collective", "allgather",
+            "--lr-schedule", "cosine", "--density-warmup-steps", str(max(1, int(warm) // 2)),
+            "--exchange", "gradient", "--momentum-correction", "--scope", "model",
+            "--no-bidirectional", "--density-cooldown-steps", warm],
         # the training CLI's SGD default (exchanged updates, the density warm-up) under its
         # constant rate
         "fashion/topk-1%-warmup-update": fm + ["--density", "0.01", "--cost-model", "off",

@@ -75,6 +75,15 @@ def levers(steps):
         "mask0.5-cooldown1%": ["--density", "0.01", "--momentum-masking", "0.5"],
         "cooldown-no-mask1%": ["--density", "0.01", "--exchange", "update", "--no-momentum-masking",
                                "--density-cooldown-steps", str(steps // 10)],
+        # below 1%: the char-LSTM's best 0.1% setting of the study (gradients with DGC's
+        # momentum correction, one global Top-K, the warm-up over 5%, no downlink selection,
+        # the cool-down), and the CLI's default with one global Top-K
+        "momcorr-global-cooldown0.1%": ["--density", "0.001", "--exchange", "gradient",
+                                        "--momentum-correction", "--scope", "model",
+                                        "--density-warmup-steps", str(steps // 20),
+                                        "--no-bidirectional",
+                                        "--density-cooldown-steps", str(steps // 10)],
+        "global0.1%": ["--density", "0.001", "--scope", "model"],
     }
 
 

@@ -347,3 +347,24 @@ def test_cli_warmup_is_shorter_below_one_percent(density, want):
     exchange_defaults(args, torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1,
                                             momentum=0.9))
     assert args.density_warmup_steps == want
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--density", "0.01"], "tensor"), (["--density", "0.05"], "tensor"),
+    (["--density", "0.001"], "model"), (["--density", "0.0099"], "model"),
+    (["--density", "0.001", "--base-optimizer", "adamw"], "model"),
+    (["--density", "0.001", "--scope", "tensor"], "tensor"),  # overridable
+    (["--density", "0.01", "--scope", "bucket"], "bucket"),
+    (["--density", "0.001", "--optimizer", "dense"], "tensor"),
+])
+def test_cli_selects_over_the_whole_model_below_one_percent(argv, want):
+    """Below 1% one global Top-K: a layer-wise one leaves each tensor too few entries."""
+    from hvd_sparse.train.__main__ import exchange_defaults, parse_args
+
+    args = parse_args(argv)
+    args.total_steps = 300
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    base = torch.optim.AdamW(params) if "adamw" in argv else \
+        torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    exchange_defaults(args, base)
+    assert args.scope == want
