@@ -42,10 +42,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_exchange_auto = exchange_auto  # the exchange was the library's choice
         self._hs_bidirectional_auto = bidirectional_auto  # and so was the downlink selection
         self._hs_process_set = process_set
-        # p.grad as the last exchange wrote it: (parameter, weak reference, version); where no
-        # backward hook had fired that round, also a copy of the values (see _hs_nothing_new)
+        # p.grad as the last exchange wrote it: (parameter, weak reference) (see
+        # _hs_resynchronized)
         self._hs_written = None
-        self._hs_written_values = {}
         # p.grad as backward handed it to the exchange this step: parameter -> (tensor,
         # version); and whether a write to it after that was already reported
         self._hs_handed = {}
@@ -171,27 +170,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             if not p.requires_grad and p.grad is not None:
                 p.grad.zero_()
 
-    def _hs_record_written(self, keep_values: bool):
-        """Note ``p.grad`` as the exchange wrote it. ``keep_values``: no backward hook fired
-        this round, so the gradients were written outside backward (an fp32 master copy filled
-        with ``m.grad.data.copy_(...)``, say). Writes through ``.data`` leave ``_version``
-        alone, so only the values can tell the next round's gradients from these: they are
-        kept (in buffers reused across steps), a cost such loops alone pay."""
-        self._hs_written = [(p, weakref.ref(p.grad), p.grad._version)
+    def _hs_record_written(self):
+        """Note which tensors the exchange wrote into ``p.grad`` (see _hs_resynchronized)."""
+        self._hs_written = [(p, weakref.ref(p.grad))
                             for p in self._hs_buckets_of if p.grad is not None]
-        kept = {}
-        if keep_values:
-            for p, _, _ in self._hs_written:
-                if p.grad.layout != torch.strided:  # sparse rows: by _version alone
-                    continue
-                buf = self._hs_written_values.get(p)
-                if buf is None or buf.shape != p.grad.shape or buf.dtype != p.grad.dtype \
-                        or buf.device != p.grad.device or buf.layout != p.grad.layout:
-                    buf = p.grad.detach().clone()
-                else:
-                    buf.copy_(p.grad.detach())
-                kept[p] = buf
-        self._hs_written_values = kept
 
     def _hs_check_handed(self):
         """Warn (once) when ``p.grad`` was written in place after backward handed it to the
@@ -234,21 +216,23 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                           "each rank steps it by its own gradient. Wrap the optimizer once its "
                           "parameters are all there.")
 
-    def _hs_nothing_new(self) -> bool:
-        """Does ``p.grad`` still hold what the last exchange wrote, the same on every rank (no
-        backward since, no write to it)? Then another exchange would only compress an average
-        again, where Horovod's allreduce of identical values changes nothing."""
+    def _hs_resynchronized(self) -> bool:
+        """Is this ``synchronize()`` a second one before ``step()`` (a ``step()`` after
+        ``synchronize()`` without ``skip_synchronize()``, say) with no backward since and
+        ``p.grad`` still the tensors the exchange wrote? Then what it gave stands (clipped in
+        between or not), where Horovod's allreduce of identical values would change nothing
+        and another exchange would compress an average again.
+
+        Only this, which follows the program's structure and so holds on every rank alike, is
+        decided locally. A ``step()`` without a backward since the last one takes part in the
+        exchange with the gradient it holds, as under Horovod: whether a rank has something new
+        is its own knowledge (it skipped backward on an empty batch, its gradients were
+        written through ``.data``), and a rank that skipped the collective alone would pair
+        the others' next collectives with the wrong step, or leave them waiting."""
         written = self._hs_written
-        if self._hs_touched or self._hs_engine.inflight or written is None \
-                or not all(p.grad is not None and p.grad is ref() for p, ref, _ in written):
-            return False
-        if self._synchronized:
-            # synchronize() again before step(): what it gave stands, written since or not
-            # (clipping in between, the same on every rank)
-            return True
-        kept = self._hs_written_values
-        return all(p.grad._version == version and (
-            p not in kept or torch.equal(p.grad, kept[p])) for p, _, version in written)
+        return self._synchronized and not self._hs_touched \
+            and not self._hs_engine.inflight and written is not None \
+            and all(p.grad is not None and p.grad is ref() for p, ref in written)
 
     # ----------------------------------------------------------------- Horovod's API
     @property
@@ -289,17 +273,15 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 self._hs_reset_round()
             self._synchronized = True
             return
-        if self._hs_nothing_new():
-            self._synchronized = True
+        if self._hs_resynchronized():
             return
         self._hs_check_handed()
-        outside_backward = not self._hs_touched
         try:
             self._hs_engine.finish("grads")
         finally:
             self._hs_reset_round()
         self._hs_zero_frozen_grads()
-        self._hs_record_written(keep_values=outside_backward)
+        self._hs_record_written()
         self._synchronized = True
 
     @contextmanager
@@ -463,7 +445,6 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._hs_written = None
-        self._hs_written_values = {}
         self._hs_base.load_state_dict(self, state_dict)
         if extra is not None:
             self._hs_engine.load_state_dict(extra)

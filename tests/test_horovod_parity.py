@@ -60,6 +60,15 @@ def test_gradients_written_through_data_are_exchanged_every_step(parity):
             assert got["moved"], density
 
 
+def test_a_rank_without_backward_still_takes_part_in_the_exchange(parity):
+    """No hang and no drift when one rank skips backward (an empty batch) or is handed zeros
+    while the others train; at density 1 the parameters are Horovod's, bit for bit."""
+    for r in parity:
+        for kind, got in r["rank_skips_backward"].items():
+            assert got["1.0"]["same"] and got["0.05"]["same"], kind
+            assert got["1.0"]["horovod"], kind
+
+
 def test_a_layer_frozen_after_wrapping_stays_where_it_is(parity):
     for r in parity:
         got = r["frozen_after_wrapping"]

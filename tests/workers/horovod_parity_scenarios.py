@@ -192,6 +192,53 @@ def scenario_gradients_written_through_data(res):
     res["data_written_grads"] = out
 
 
+def scenario_rank_skips_backward(res):
+    """One rank has no batch at step 2: it skips backward but calls ``step()`` (to stay in
+    step), with its gradients zeroed through ``.data`` (torch's own ``zero_grad`` before 1.7),
+    not zeroed at all, or by ``zero_grad()``; and a master copy whose gradient is written as
+    zeros on one rank. Horovod allreduces what each rank holds every step; a rank deciding
+    alone that it had nothing new skipped the collective and the others waited or paired their
+    next step with it. At density 1 the result is Horovod's, bit for bit."""
+    import horovod.torch as real
+
+    def run(kind, wrap):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(64, 32)
+        opt = wrap(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), m.named_parameters())
+        torch.manual_seed(1 + hvd.rank())
+        for step in range(4):
+            x = torch.randn(4, 64)
+            if kind == "data_zero":
+                for p in m.parameters():
+                    if p.grad is not None:
+                        p.grad.data.zero_()
+            elif kind == "zero_grad":
+                opt.zero_grad()
+            if kind == "master_zeros":
+                for p in m.parameters():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    p.grad.data.copy_(torch.zeros_like(p) if step == 0 or hvd.rank() == 0
+                                      else torch.ones_like(p))
+            elif not (step == 2 and hvd.rank() == 0):
+                m(x).pow(2).mean().backward()
+            opt.step()
+        return [p.detach().clone() for p in m.parameters()]
+
+    out = {}
+    for kind in ("data_zero", "none", "zero_grad", "master_zeros"):
+        got = {}
+        for density in (1.0, 0.05):
+            params = run(kind, lambda o, n: hvd.DistributedOptimizer(
+                o, named_parameters=n, density=density, cost_model="off"))
+            got[str(density)] = {"same": same_everywhere(params)}
+            if density == 1.0:
+                ref = run(kind, lambda o, n: real.DistributedOptimizer(o, named_parameters=n))
+                got["1.0"]["horovod"] = all(torch.equal(a, b) for a, b in zip(params, ref))
+        out[kind] = got
+    res["rank_skips_backward"] = out
+
+
 def sparse_job(opt_cls, **kw):
     """A fresh model (seed 0) and its optimizer at density 0.05, the cost model off (every
     large bucket sparse); then each rank its own batches."""
@@ -269,7 +316,8 @@ def scenario_reload_weights_with_updates(res):
 SCENARIOS = [scenario_broadcast_state_every_optimizer, scenario_broadcast_options,
              scenario_frozen_and_integer_parameters, scenario_missing_gradient_on_one_rank,
              scenario_synchronize_clip_and_warning, scenario_gradients_written_through_data,
-             scenario_frozen_after_wrapping, scenario_join, scenario_reload_weights_with_updates]
+             scenario_rank_skips_backward, scenario_frozen_after_wrapping, scenario_join,
+             scenario_reload_weights_with_updates]
 
 
 if __name__ == "__main__":
