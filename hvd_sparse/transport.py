@@ -296,10 +296,20 @@ def _beside_horovod(t: "MPITransport") -> "MPITransport":
     ranks (under ``horovodrun --gloo`` each process is an MPI world of its own), and when
     Horovod's own thread calls MPI the library must allow calls from several threads; the
     collectives then run on a duplicate of COMM_WORLD, apart from Horovod's."""
+    import os
+
     try:
         import horovod.torch as hvd
 
         if not hvd.is_initialized():
+            launched = os.environ.get("HOROVOD_SIZE")  # set by horovodrun's Gloo launcher
+            if launched and launched.isdigit() and int(launched) != t.size():
+                # Horovod's own optimizer refuses this with the same words; picking mpi4py
+                # here would give each process a world of its own and no exchange at all
+                raise ValueError(
+                    "Horovod has not been initialized; use hvd.init() (this process was "
+                    f"launched as one of {launched} Horovod ranks, but mpi4py sees a world of "
+                    f"{t.size()}: call hvd.init() before wrapping the optimizer)")
             return t
     except ImportError:
         return t

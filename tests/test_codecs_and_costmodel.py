@@ -50,6 +50,27 @@ def test_transport_choice():
         make_transport("mpi", process_set=object())
 
 
+def test_wrapping_before_hvd_init_under_horovodrun_gloo_is_refused():
+    """Under ``horovodrun --gloo`` every process is an MPI world of one: an optimizer wrapped
+    before ``hvd.init()`` must not fall back to mpi4py (no exchange at all, replicas apart)
+    but say what Horovod's own optimizer says. A fresh process, so Horovod is uninitialised."""
+    pytest.importorskip("mpi4py")
+    pytest.importorskip("horovod.torch")
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, hvd_sparse\n"
+            "m = torch.nn.Linear(4, 2)\n"
+            "hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),\n"
+            "    named_parameters=m.named_parameters())\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**env, "HOROVOD_SIZE": "2", "HOROVOD_RANK": "0"})
+    assert proc.returncode != 0
+    assert "Horovod has not been initialized; use hvd.init()" in proc.stderr
+
+
 class _EchoTransport(LocalTransport):
     """Two ranks that send the same bytes: enough to run the engine's calibration path. Like
     Horovod, it is taken to fuse allreduces started together."""
