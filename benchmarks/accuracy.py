@@ -150,8 +150,14 @@ def runs(args):
 
 def _gradient_unless_named(extra):
     """The sparse runs exchange gradients (as measured before the training CLI's SGD default
-    became the update exchange) unless they name ``--exchange``."""
-    if "--optimizer" in extra or "--exchange" in extra:
+    became the update exchange) unless they name ``--exchange``; below 1% density they select
+    per tensor unless they name ``--scope`` (see convergence.pin_layerwise_below_one_percent)."""
+    from convergence import pin_layerwise_below_one_percent
+
+    if "--optimizer" in extra:
+        return extra
+    extra = pin_layerwise_below_one_percent(extra)
+    if "--exchange" in extra:
         return extra
     return extra + ["--exchange", "gradient"]
 

@@ -55,7 +55,23 @@ import json
 from common import RESULTS, machine, save, train_run
 
 
+def pin_layerwise_below_one_percent(args):
+    """A run below 1% density that names no ``--scope`` gets ``--scope tensor``: the study's
+    runs there were measured with the per-tensor selection, before the training CLI's default
+    became one global selection below 1% (twenty-third session), and keep their meaning."""
+    if "--scope" in args or "--density" not in args \
+            or float(args[args.index("--density") + 1]) >= 0.01:
+        return args
+    return args + ["--scope", "tensor"]
+
+
 def levers(steps):
+    """Each lever's training-CLI arguments (below 1% density pinned per tensor unless named)."""
+    return {name: pin_layerwise_below_one_percent(args)
+            for name, args in _levers(steps).items()}
+
+
+def _levers(steps):
     warm = ["--density-warmup-steps", str(max(1, steps // 10))]
     warm5 = ["--density-warmup-steps", str(max(1, steps // 20))]
     warm15 = ["--density-warmup-steps", str(max(1, (3 * steps) // 20))]
@@ -205,6 +221,10 @@ def levers(steps):
             "--layer-floor", f, *warm, *cool] for f in ("0.25", "0.5")},
         "topk0.1%-grad": ["--density", "0.001", *grad],
         "topk0.1%-update": ["--density", "0.001", *update],
+        # the library's own defaults (no warm-up, no cool-down: they need the run's length)
+        # with one global Top-K: whether the library, not only the CLI, should select so
+        "topk0.1%-grad-global": ["--density", "0.001", *grad, "--scope", "model"],
+        "topk0.1%-update-global": ["--density", "0.001", *update, "--scope", "model"],
     }
 
 
