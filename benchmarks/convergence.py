@@ -221,10 +221,13 @@ def _levers(steps):
             "--layer-floor", f, *warm, *cool] for f in ("0.25", "0.5")},
         "topk0.1%-grad": ["--density", "0.001", *grad],
         "topk0.1%-update": ["--density", "0.001", *update],
-        # the library's own defaults (no warm-up, no cool-down: they need the run's length)
-        # with one global Top-K: whether the library, not only the CLI, should select so
-        "topk0.1%-grad-global": ["--density", "0.001", *grad, "--scope", "model"],
-        "topk0.1%-update-global": ["--density", "0.001", *update, "--scope", "model"],
+        # the library's own defaults (no warm-up, cool-down or masking: the first two need the
+        # run's length), per tensor and with one global Top-K: whether the library, not only
+        # the CLI, should select so below 1%
+        **{f"topk0.1%-{ex[1]}-lib{tag}": [
+            "--density", "0.001", *ex, "--density-warmup-steps", "0",
+            "--density-cooldown-steps", "0", "--no-momentum-masking", "--scope", scope]
+           for ex in (grad, update) for tag, scope in (("", "tensor"), ("-global", "model"))},
     }
 
 
