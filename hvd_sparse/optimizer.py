@@ -488,7 +488,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          calibration_steps=3, recalibrate_every=0, value_dtype=None,
                          nonfinite="propagate", verify_every=0, check_config=True,
                          collective="auto", sharded_selection="global",
-                         rebalance_every=100, scope="tensor", layer_floor=0.0,
+                         rebalance_every=100, scope="auto", layer_floor=0.0,
                          momentum_masking=False,
                          bucket_cap_mb=25.0,
                          min_sparse_numel=1024,
@@ -507,7 +507,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     gradients are exchanged, not where each step's weight update is, ``exchange="update"``,
     whose runs ended better without it: benchmarks/convergence.py, README), ``downlink_density`` (``None``: same
     as ``density``), ``sparsifier`` (name or :class:`hvd_sparse.Sparsifier`), ``scope``
-    (``"tensor"``, ``"model"`` or ``"bucket"`` with ``bucket_cap_mb``), ``layer_floor``
+    (``"tensor"``, ``"model"`` or ``"bucket"`` with ``bucket_cap_mb``; ``"auto"``, the
+    default: ``"model"`` for Top-K below 1% density, where one global selection ended better
+    on every model measured, else ``"tensor"``: :func:`hvd_sparse.buckets.resolve_scope`), ``layer_floor``
     (Top-K in a bucket of several tensors: each first keeps this share of its own Top-K, the
     rest of the budget goes to the largest entries anywhere; 0, the default, is one Top-K per
     bucket), ``min_sparse_numel``
@@ -672,6 +674,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                 raise TypeError(f"parameter '{name_of[id(p)]}' has dtype {p.dtype}; hvd_sparse "
                                 "sparsifies floating-point gradients only")
             trainable.append((name_of[id(p)], p))
+    scope = bucketing.resolve_scope(scope, density, sparsifier)
     plan = bucketing.plan_buckets(trainable, scope=scope, bucket_cap_mb=bucket_cap_mb,
                                   groups=groups, min_sparse_numel=min_sparse_numel,
                                   max_bucket_numel=max_bucket_numel)

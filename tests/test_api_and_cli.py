@@ -356,6 +356,7 @@ def test_cli_warmup_is_shorter_below_one_percent(density, want):
     (["--density", "0.001", "--scope", "tensor"], "tensor"),  # overridable
     (["--density", "0.01", "--scope", "bucket"], "bucket"),
     (["--density", "0.001", "--optimizer", "dense"], "tensor"),
+    (["--density", "0.001", "--sparsifier", "sbc"], "tensor"),  # Top-K's rule only
 ])
 def test_cli_selects_over_the_whole_model_below_one_percent(argv, want):
     """Below 1% one global Top-K: a layer-wise one leaves each tensor too few entries."""
@@ -368,3 +369,26 @@ def test_cli_selects_over_the_whole_model_below_one_percent(argv, want):
         torch.optim.SGD(params, lr=0.1, momentum=0.9)
     exchange_defaults(args, base)
     assert args.scope == want
+
+
+def test_library_scope_auto_is_global_for_topk_below_one_percent():
+    """``scope="auto"`` (the default): one bucket for all large tensors for Top-K below 1%,
+    one per tensor from 1% up and for other sparsifiers; a named scope is kept."""
+    from hvd_sparse.buckets import resolve_scope
+    from hvd_sparse.transport import LocalTransport
+
+    assert resolve_scope("auto", 0.001, "topk") == "model"
+    assert resolve_scope("auto", 0.01, "topk") == "tensor"
+    assert resolve_scope("auto", 0.001, "gaussiank") == "tensor"
+    assert resolve_scope("tensor", 0.001, "topk") == "tensor"
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    def sparse(**kw):
+        opt = hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+            transport=LocalTransport(), **kw)
+        return [len(b.parameters) for b in opt.engine_state().values() if b.sparse]
+
+    assert sparse(density=0.001) == [2]
+    assert sparse(density=0.01) == [1, 1]
+    assert sparse(density=0.001, scope="tensor") == [1, 1]
+    assert sparse(density=0.001, sparsifier="gaussiank") == [1, 1]

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from hvd_sparse.buckets import GLOBAL_TOPK_BELOW
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m hvd_sparse.train", description=__doc__,
@@ -43,8 +45,8 @@ def parse_args(argv=None):
                    help="re-sparsify the aggregate (default: yes, except where each rank's "
                         "update is exchanged; see exchange_defaults)")
     p.add_argument("--scope", default=None, choices=["tensor", "model", "bucket"],
-                   help="where Top-K selects (default: per tensor, one global selection below "
-                        "1%% density; see exchange_defaults)")
+                   help="where Top-K selects (default: the library's auto, one global Top-K "
+                        "below 1%% density, else per tensor; see hvd_sparse.buckets.resolve_scope)")
     p.add_argument("--layer-floor", type=float, default=0.0,
                    help="Top-K in a bucket of several tensors (--scope model or bucket): the "
                         "share of each tensor's own Top-K it keeps before the rest of the "
@@ -198,13 +200,9 @@ def warmup_share(density: float, total_steps: int) -> int:
 
 
 def below_one_percent(density: float) -> bool:
-    """Below 1% density a layer-wise Top-K leaves each tensor a thousandth of its entries or
-    fewer, and one selection over the whole model (``--scope model``: Shi et al., 2019, global
-    Top-K) did better on every model measured at 0.1% (README "Convergence", twenty-third
-    session): char-LSTM +4.1% against +5.3%, held-out GRU +5.1% against +6.3%, held-out TCN
-    +1.5% against +8.9%, ResNet 88.59% against 88.42% (dense 89.44%). At 1% it cost the ResNet
-    (88.09% against 89.22%, seed 0), so from 1% up the selection stays per tensor."""
-    return density < 0.01
+    """Where the study's settings change: the warm-up's length, and (the library's
+    ``scope="auto"``, :func:`hvd_sparse.buckets.resolve_scope`) one global Top-K."""
+    return density < GLOBAL_TOPK_BELOW
 
 
 def exchange_defaults(args, base) -> None:
@@ -237,6 +235,7 @@ def exchange_defaults(args, base) -> None:
 
     The warm-up and cool-down need the run's length, which only the run knows, so the library's
     own defaults stay 0."""
+    from hvd_sparse.buckets import resolve_scope
     from hvd_sparse.engine.config import adaptive_optimizer_classes, resolve_exchange
 
     sparse = args.optimizer == "sparse"
@@ -254,8 +253,9 @@ def exchange_defaults(args, base) -> None:
     if args.density_cooldown_steps is None:
         args.density_cooldown_steps = max(1, args.total_steps // 10) \
             if updates and not adaptive else 0
-    if args.scope is None:
-        args.scope = "model" if sparse and below_one_percent(args.density) else "tensor"
+    if args.scope is None:  # the library's default, named (it goes into the metrics)
+        args.scope = resolve_scope("auto", args.density, args.sparsifier) if sparse \
+            else "tensor"
 
 
 def build_optimizer(args, model, base, hvd):
