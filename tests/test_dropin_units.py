@@ -686,3 +686,25 @@ def test_a_weight_clip_after_each_step_holds_under_exchanged_updates():
     F.cross_entropy(model(x), torch.randint(0, 7, (16,))).backward()
     opt.step()
     assert float(_flat(model).abs().max()) < 0.5
+
+
+def test_a_model_cast_after_wrapping_is_reported_once():
+    """``model.double()`` after wrapping: the buckets keep float32, so the gradients are
+    rounded in the exchange; said once, at the first exchange (Horovod's allreduce would take
+    the new dtype), and not for a model cast before wrapping."""
+    m = _net()
+    opt = _wrap(m)
+    m.double()
+    x, y = torch.randn(16, 32, dtype=torch.float64), torch.randint(0, 3, (16,))
+    with pytest.warns(UserWarning, match="was torch.float32 when the optimizer was wrapped"):
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+        m2 = _net().double()
+        opt2 = _wrap(m2)
+        F.cross_entropy(m2(x), y).backward()
+        opt2.step()

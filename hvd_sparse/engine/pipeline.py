@@ -240,6 +240,7 @@ class Engine:
         root, self.agreement_root = self.agreement_root, 0
         if world_changed:
             self._recover_regions()
+            self._warn_changed_dtypes()
         if size == 1:
             return
         theirs = agreement.agree(self.transport,
@@ -247,6 +248,19 @@ class Engine:
                                  self.replicated_state(), root)
         if theirs is not None:
             self.load_replicated(theirs)
+
+    def _warn_changed_dtypes(self) -> None:
+        """A model cast after wrapping (``model.double()``, ``model.half()``): the buckets keep
+        the dtype they were planned with, so its gradients are rounded to it in the exchange.
+        Said once, at the first exchange, where checking costs nothing per step."""
+        changed = [(n, p.dtype, b.dtype) for b in self.buckets for n, p in zip(b.names, b.params)
+                   if p.dtype != b.dtype]
+        if changed:
+            n, now, was = changed[0]
+            more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+            warnings.warn(f"parameter {n!r}{more} is {now} but was {was} when the optimizer was "
+                          f"wrapped: its gradient is exchanged as {was}. Cast the model "
+                          "(model.double(), .half(), ...) before wrapping the optimizer.")
 
     def _recover_regions(self) -> None:
         """After the world changed (an elastic reset), the regions that surviving owners hold,
