@@ -48,6 +48,8 @@ OPTIMIZERS = {
     # the default with plain positions (index_coding="auto" lets the time cost model choose
     # Golomb-Rice per bucket)
     "topk_plain": [*SPARSE, "--sparsifier", "topk", "--index-coding", "plain"],
+    # one Top-K per tensor, named (below 1% density the default is one over the model)
+    "topk_layerwise": [*SPARSE, "--sparsifier", "topk", "--scope", "tensor"],
     "topk_sparse": [*SPARSE, "--sparsifier", "topk", "--collective", "allgather",
                     *OFF],
     "topk_sharded": [*SPARSE, "--sparsifier", "topk", "--collective", "sharded",
@@ -70,8 +72,8 @@ OPTIMIZERS = {
 }
 #: environment a configuration runs under, beside the launcher's
 ENV = {"topk_commit_pass": {"HVD_SPARSE_ACC_IN_SCAN": "off"}}
-PER_RANK_COUNT = ("floor", "dense", "topk", "topk_plain", "topk_update", "topk_sparse",
-                  "topk_sharded", "topk_mpi4py", "topk_commit_pass")
+PER_RANK_COUNT = ("floor", "dense", "topk", "topk_plain", "topk_layerwise", "topk_update",
+                  "topk_sparse", "topk_sharded", "topk_mpi4py", "topk_commit_pass")
 
 
 def run(cmd, timeout, env=None):
