@@ -392,3 +392,15 @@ def test_library_scope_auto_is_global_for_topk_below_one_percent():
     assert sparse(density=0.01) == [1, 1]
     assert sparse(density=0.001, scope="tensor") == [1, 1]
     assert sparse(density=0.001, sparsifier="gaussiank") == [1, 1]
+    # a checkpoint made per tensor (the default before) says how to load it
+    def wrapped(**kw):
+        return hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+            transport=LocalTransport(), density=0.001, **kw)
+
+    before = wrapped(scope="tensor")
+    m(torch.randn(2, 64)).sum().backward()
+    before.step()
+    with pytest.raises(ValueError, match="scope='tensor'"):
+        wrapped().load_state_dict(before.state_dict())
+    wrapped(scope="tensor").load_state_dict(before.state_dict())

@@ -1754,7 +1754,10 @@ class Engine:
         if set(saved) != set(mine):
             raise ValueError("the checkpoint's sparse buckets differ from this optimizer's: "
                              f"missing {sorted(set(mine) - set(saved))}, "
-                             f"unexpected {sorted(set(saved) - set(mine))}")
+                             f"unexpected {sorted(set(saved) - set(mine))} (made with another "
+                             "scope or model? The default scope='auto' selects over the whole "
+                             "model below 1% density (earlier: per tensor); pass the scope the "
+                             "checkpoint was made with, e.g. scope='tensor')")
         for bname, b in mine.items():
             if saved[bname]["numel"] != b.numel:
                 raise ValueError(f"bucket '{bname}' has {saved[bname]['numel']} entries in the "
