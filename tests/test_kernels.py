@@ -276,6 +276,16 @@ def test_scan_gather_whatever_the_room(ops, expect, threads):
         torch.set_num_threads(old)
 
 
+def test_sample_keeps_a_small_tail_tensor_near_its_share():
+    """A whole-model bucket of 11.4M entries whose last 30,000 are an output layer: the sample
+    gives that tail about its share of positions (the threshold aimed too high when one wide
+    block, 1,024 entries, always landed there: six times its share)."""
+    n, tail = 11_388_010, 30_010
+    pos = select.sample_positions(n)
+    share = float((pos >= n - tail).mean()) / (tail / n)
+    assert 0.5 < share < 2.0
+
+
 def test_sample_positions_are_made_once_per_length():
     assert select.sample_positions(10_000_000) is select.sample_positions(10_000_000)
     assert select.sample_positions(1000) is None

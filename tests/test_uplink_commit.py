@@ -296,6 +296,28 @@ def test_scan_of_pieces_finds_what_the_scan_of_their_concatenation_finds(room):
                                            r, pos), cpu.sample(g, r, pos))
 
 
+def test_a_piece_with_more_than_its_share_of_candidates_needs_no_second_scan(monkeypatch):
+    """A small last piece of large entries (an output layer in a whole-model bucket) holds
+    most of the candidates: the pieces share one output, so they fit in the room the whole
+    bucket was given, and no second scan of the bucket follows."""
+    parts, offsets = _pieces([200_000, 3_000], seed=8)
+    parts[1].mul_(100.0)
+    g = torch.cat(parts)
+    r = torch.zeros_like(g)
+    want = cpu.scan(g, r, 5.0, 5.0, expect=g.numel())
+    assert want.count > 2_000  # nearly all in the small piece, far above its share
+
+    def no_second_scan(*args, **kwargs):
+        raise AssertionError("the whole bucket was scanned again")
+
+    monkeypatch.setattr(cpu, "scan", no_second_scan)
+    got = cpu.scan_parts([(t.numpy(), off) for t, off in zip(parts, offsets)], r, 5.0, 5.0,
+                         want.count, torch.empty_like(g))
+    assert got.complete and got.count == want.count
+    idx, val = cpu.gather(None, None, got)
+    assert torch.equal(idx, want.idx) and torch.equal(val, want.values)
+
+
 def test_scan_of_pieces_sees_nan():
     parts, offsets = _pieces([5000, 3000], seed=6)
     parts[1][17] = float("nan")

@@ -708,27 +708,29 @@ def scan_parts(parts, r, t_hi, t_lo, expect, into, minus=None, reset=False) -> S
     mn = None if minus is None else _np(minus)
     n = rn.size
     thi, tlo = np.float32(t_hi), np.float32(t_lo)
+    # one output shared by the pieces, each appending after the last (they run one after
+    # another): a piece holds as many candidates as it has, not its share of the bucket's
+    # length (a small output layer of large gradients overflowed a share and forced a scan
+    # of the whole bucket again)
     room = (n // 32 if expect is None else 2 * int(expect)) + 4096
-    caps = np.array([-(-room * g.size // max(n, 1)) + BLOCK for g, _ in parts], dtype=np.int64)
-    starts, total = _room(caps)
-    out_idx = np.empty(total, dtype=np.int64)
-    out_val = np.empty(total, dtype=np.float32)
+    out_idx = np.empty(room + 1, dtype=np.int64)  # + the spare slot _scan_chunk writes
+    out_val = np.empty(room + 1, dtype=np.float32)
     counts = np.empty(len(parts), dtype=np.int64)
     energy = 0.0
+    fill = 0
     for j, (g, off) in enumerate(parts):
         hi = off + g.size
-        counts[j], e = _scan_chunk(g, rn[off:hi], thi, tlo, off, out_idx, out_val, starts[j],
-                                   caps[j], into_n[off:hi], None if mn is None else mn[off:hi],
-                                   reset and mn is not None)
+        counts[j], e = _scan_chunk(g, rn[off:hi], thi, tlo, off, out_idx, out_val, fill,
+                                   room - fill, into_n[off:hi],
+                                   None if mn is None else mn[off:hi], reset and mn is not None)
+        fill += min(int(counts[j]), room - fill)
         energy += e
     count = int(counts.sum())
-    if not (counts <= caps).all():  # the room was short: acc is written, scan it alone
+    if count > room:  # the room was short: acc is written, scan it alone
         s = scan(None, into, t_hi, t_lo, count)
         return s._replace(energy=energy, nonfinite=not np.isfinite(energy))
-    idx = np.concatenate([out_idx[a:a + c] for a, c in zip(starts, counts)])
-    val = np.concatenate([out_val[a:a + c] for a, c in zip(starts, counts)])
-    return Scan(count, not np.isfinite(energy), energy, torch.from_numpy(idx),
-                torch.from_numpy(val), True, (None, into_n, thi, tlo, counts))
+    return Scan(count, not np.isfinite(energy), energy, torch.from_numpy(out_idx[:count]),
+                torch.from_numpy(out_val[:count]), True, (None, into_n, thi, tlo, counts))
 
 
 def sample_parts(parts, r, positions: np.ndarray, minus=None) -> np.ndarray:
