@@ -148,9 +148,10 @@ def resolve_scope(scope: str, density, sparsifier) -> str:
     char-LSTM +14.3% against +17.8% and the Transformer +6.4% against +7.4% (300 steps); with
     the training CLI's, the char-LSTM +4.1 / +3.8% against +5.3%, the held-out GRU
     +5.1 / +5.1 / +5.6% against +6.3%, the held-out TCN +1.5 / +1.6% against +8.9%, the
-    Transformer +3.3 / +3.3% against +4.5 / +4.3%, the ResNet 88.59% against 88.42% (dense 89.44%). At 1% it cost the
-    ResNet (88.09% against 89.22%). Other sparsifiers keep their per-layer statistics (SBC's
-    means, GaussianK's fit, a threshold's scale), where no study was made."""
+    Transformer +3.3 / +3.3% against +4.5 / +4.3%, the ResNet 88.59% against 88.42% (dense
+    89.44%). At 1% it cost the ResNet (88.09% against 89.22%). Other sparsifiers keep their
+    per-layer statistics (SBC's means, GaussianK's fit, a threshold's scale), where no study
+    was made."""
     if scope != "auto":
         return scope
     low = isinstance(density, (int, float)) and not isinstance(density, bool) \
