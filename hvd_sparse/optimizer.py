@@ -509,7 +509,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     as ``density``), ``sparsifier`` (name or :class:`hvd_sparse.Sparsifier`), ``scope``
     (``"tensor"``, ``"model"`` or ``"bucket"`` with ``bucket_cap_mb``; ``"auto"``, the
     default: ``"model"`` for Top-K below 1% density, where one global selection ended better
-    on every model measured, else ``"tensor"``: :func:`hvd_sparse.buckets.resolve_scope`), ``layer_floor``
+    on every model measured, else ``"tensor"``: :func:`hvd_sparse.buckets.resolve_scope`),
+    ``layer_floor``
     (Top-K in a bucket of several tensors: each first keeps this share of its own Top-K, the
     rest of the budget goes to the largest entries anywhere; 0, the default, is one Top-K per
     bucket), ``min_sparse_numel``

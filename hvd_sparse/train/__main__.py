@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from hvd_sparse.buckets import GLOBAL_TOPK_BELOW
+from hvd_sparse.buckets import resolve_scope
 
 
 def parse_args(argv=None):
@@ -196,13 +196,7 @@ def warmup_share(density: float, total_steps: int) -> int:
     so at 0.1% a 10% warm-up alone sends about 3% of dense's bytes, the whole budget; 5% halves
     that at no loss measured (char-LSTM, 900 steps, 0.1%: 1.7928 with 5% against 1.8003 with
     10%, at 1.6% against 3.0% of dense's bytes)."""
-    return max(1, total_steps // (20 if below_one_percent(density) else 10))
-
-
-def below_one_percent(density: float) -> bool:
-    """Where the study's settings change: the warm-up's length, and (the library's
-    ``scope="auto"``, :func:`hvd_sparse.buckets.resolve_scope`) one global Top-K."""
-    return density < GLOBAL_TOPK_BELOW
+    return max(1, total_steps // (10 if density >= 0.01 else 20))
 
 
 def exchange_defaults(args, base) -> None:
@@ -235,7 +229,6 @@ def exchange_defaults(args, base) -> None:
 
     The warm-up and cool-down need the run's length, which only the run knows, so the library's
     own defaults stay 0."""
-    from hvd_sparse.buckets import resolve_scope
     from hvd_sparse.engine.config import adaptive_optimizer_classes, resolve_exchange
 
     sparse = args.optimizer == "sparse"
