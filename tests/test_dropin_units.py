@@ -708,3 +708,28 @@ def test_a_model_cast_after_wrapping_is_reported_once():
         opt2 = _wrap(m2)
         F.cross_entropy(m2(x), y).backward()
         opt2.step()
+
+
+@pytest.mark.parametrize("n", [1, 2, 9, 100, 2 ** 24 + 4, 51_200_000, 100_000_000])
+def test_probe_positions_stay_inside_the_parameter(n):
+    from hvd_sparse.engine.pipeline import probe_positions
+    got = probe_positions(n, 8)
+    assert got.dtype == torch.long and int(got.min()) == 0 and int(got.max()) == n - 1
+    assert got.numel() == min(n, 8) and bool((got[1:] > got[:-1]).all())
+
+
+def test_exchanged_updates_of_a_parameter_beyond_two_to_the_24_entries():
+    """AdamW (updates exchanged) over an embedding of 2**24 + 4 entries: the check for
+    changes made outside the optimizer probed position n itself (a float32 linspace rounds
+    n - 1 up) and the second step raised IndexError."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(2 ** 22 + 1, 4)
+    opt = hvd_sparse.DistributedOptimizer(
+        torch.optim.AdamW(emb.parameters(), lr=1e-3), named_parameters=emb.named_parameters(),
+        density=0.001, cost_model="off", transport=LocalTransport())
+    for step in range(3):
+        opt.zero_grad()
+        emb(torch.tensor([0, 5, 2 ** 22])).square().sum().backward()
+        opt.step()
+    stats = opt.communication_stats()
+    assert stats["steps"] == 3 and stats["totals"]["outside_changes"] == 0

@@ -98,6 +98,16 @@ def _numpy_view(p) -> "Optional[np.ndarray]":
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 
 
+def probe_positions(n: int, count: int) -> torch.Tensor:
+    """Up to ``count`` evenly spaced positions of a vector of ``n`` entries, first and last
+    included, in integer arithmetic: a float32 ``linspace`` rounds ``n - 1`` up to ``n``
+    beyond 2**24 entries (a 51.2M-entry embedding probed out of bounds)."""
+    m = min(n, count)
+    if m <= 1:
+        return torch.zeros(m, dtype=torch.long)
+    return torch.unique(torch.arange(m, dtype=torch.long) * (n - 1) // (m - 1))
+
+
 class _Probes(NamedTuple):
     """follow_outside_changes' positions for the buckets of one (device, dtype)."""
 
@@ -1354,8 +1364,7 @@ class Engine:
             flat = []
             for p, off, (lo, hi) in pieces[::max(1, len(pieces) // self.PROBED_PARAMS)]:
                 n = hi - lo
-                local = torch.unique(torch.linspace(0, n - 1, min(n, self.PROBES_PER_PARAM),
-                                                    device=anchor.device).round().long())
+                local = probe_positions(n, self.PROBES_PER_PARAM).to(anchor.device)
                 g[1].append((p, (local + lo).to(p.device)))
                 flat.append(local + off)
                 g[3].append(torch.full((local.numel(),), len(g[0]), dtype=torch.long,
