@@ -247,3 +247,28 @@ def test_dense_bucket_joining_an_allreduce_pays_no_latency(monkeypatch, always_d
         pytest.approx(1.5, rel=1e-2)
     # the sparse price is the 1 s gather latency plus a little compute
     assert weight["mode"] == ("dense" if always_dense else "sparse")
+
+
+def test_time_cost_model_calibrates_after_the_density_warm_up(monkeypatch):
+    """Under a density warm-up the cost model times steps at the configured density only:
+    timed on a warm-up step (up to all of a bucket sent), a link where sparse wins priced the
+    bucket by its warm-up bytes and compute, and the 11.4M MLP went dense for good at
+    1 Gbit/s."""
+    from hvd_sparse.engine import calibration
+
+    mib4 = 4 << 20
+    link = [1e-4, 1e-4 + 2 * mib4 / 1e10, 1.0, 1.0 + mib4 / 1e6]  # allreduce slow: sparse wins
+    monkeypatch.setattr(calibration, "measure_link",
+                        lambda transport, device, large_bytes: list(link))
+    torch.manual_seed(0)
+    m = torch.nn.Linear(1000, 50, bias=False)
+    opt = _echo_optimizer(m, density_warmup_steps=5, index_coding="plain")
+    for step in range(8):
+        _step(m, opt)
+        calibrated = opt.communication_stats()["cost_model"]["calibrated_at_step"]
+        assert calibrated == (None if step < 5 else 6)
+    costs = opt.communication_stats()["cost_model"]["buckets"]["weight"]
+    k = int(0.01 * m.weight.numel())
+    # two payloads of k (index, value) pairs of 8 bytes and a small header each: the warm-up's
+    # first step sent 46% of the bucket
+    assert costs["gathered_bytes"] <= 2 * (8 * k + 256) and costs["mode"] == "sparse"
