@@ -733,3 +733,18 @@ def test_exchanged_updates_of_a_parameter_beyond_two_to_the_24_entries():
         opt.step()
     stats = opt.communication_stats()
     assert stats["steps"] == 3 and stats["totals"]["outside_changes"] == 0
+
+
+def test_half_precision_gradients_summing_past_65504_are_finite():
+    """AdamW (updates exchanged) over a float16 parameter of 70,000 entries, every gradient
+    entry 1.0: the finite check summed in float16, read Inf and skipped the local step every
+    step, silently, under the default ``nonfinite``."""
+    p = torch.nn.Parameter(torch.zeros(70_000, dtype=torch.float16))
+    opt = hvd_sparse.DistributedOptimizer(torch.optim.AdamW([p], lr=1e-3),
+                                          named_parameters=[("p", p)], density=0.01,
+                                          cost_model="off", transport=LocalTransport())
+    for _ in range(3):
+        opt.zero_grad()
+        p.grad = torch.ones_like(p)
+        opt.step()
+    assert bool((p != 0).any()) and opt.communication_stats()["nonfinite_steps"] == 0

@@ -1848,5 +1848,8 @@ class Engine:
 def _all_finite(t: torch.Tensor) -> bool:
     """One vectorised read, no temporary: a sum is finite exactly when every entry is, short of
     the sum itself overflowing (entries summing past 3e38, which is taken as non-finite too).
-    ``torch.isfinite(t).all()`` costs ~30x more on the CPU (a bool tensor, then a reduction)."""
-    return bool(torch.isfinite(t.sum()))
+    ``torch.isfinite(t).all()`` costs ~30x more on the CPU (a bool tensor, then a reduction).
+    Half-precision tensors sum in float32: a float16 sum overflows past 65504, and 70,000
+    gradient entries of 1.0 read as non-finite (AdamW's local step skipped every step)."""
+    wide = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None
+    return bool(torch.isfinite(t.sum(dtype=wide)))
