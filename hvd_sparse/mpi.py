@@ -10,6 +10,7 @@ uses :class:`hvd_sparse.transport.MPITransport`. It never imports Horovod.
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import warnings
 
@@ -104,8 +105,31 @@ def barrier():
     _c().Barrier()
 
 
+#: the most bytes one ``Bcast`` moves: MPI counts are C ints (2**31 - 1), and a 512M-entry
+#: float32 tensor, or AdamW's state over 268M parameters pickled, passes that
+BROADCAST_CHUNK_BYTES = 1 << 30
+
+
+def _bcast_bytes(buf, root_rank) -> None:
+    """``Bcast`` of a flat uint8 numpy array in chunks of at most BROADCAST_CHUNK_BYTES."""
+    comm, step = _c(), BROADCAST_CHUNK_BYTES
+    for lo in range(0, buf.size, step):
+        comm.Bcast(buf[lo:lo + step], root=root_rank)
+
+
 def broadcast_object(obj, root_rank=0, name=None):
-    return _c().bcast(obj, root=root_rank)
+    """Rank ``root_rank``'s picklable object on every rank; pickled, then broadcast as bytes in
+    chunks (one mpi4py ``bcast`` fails past 2 GiB)."""
+    import numpy as np
+
+    comm = _c()
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) \
+        if comm.Get_rank() == root_rank else b""
+    size = comm.bcast(len(data), root=root_rank)
+    buf = np.frombuffer(bytearray(data), dtype=np.uint8) if data \
+        else np.empty(size, dtype=np.uint8)
+    _bcast_bytes(buf, root_rank)
+    return obj if comm.Get_rank() == root_rank else pickle.loads(buf.tobytes())
 
 
 def allgather_object(obj, name=None):
@@ -133,7 +157,7 @@ def broadcast_(tensor, root_rank=0, name=None):
     """Rank ``root_rank``'s ``tensor`` copied into ``tensor`` on every rank (returned)."""
     host = tensor.detach().cpu().contiguous().clone()
     if host.numel():
-        _c().Bcast(host.reshape(-1).view(torch.uint8).numpy(), root=root_rank)
+        _bcast_bytes(host.reshape(-1).view(torch.uint8).numpy(), root_rank)
     with torch.no_grad():
         return tensor.copy_(host.to(tensor.device))
 

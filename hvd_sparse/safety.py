@@ -29,15 +29,18 @@ class NonFiniteGradientError(FloatingPointError):
 
 
 def _gather_bytes(transport, data: bytes, name: str) -> list:
-    """Every rank's byte string, in rank order (one variable-size allgather)."""
-    payload = torch.frombuffer(bytearray(len(data).to_bytes(8, "little") + data),
+    """Every rank's byte string, in rank order (one variable-size allgather). Each is sent
+    behind its length and padded to 8 bytes, so past 2 GiB in all (a rank-0 resume's state)
+    MPI's int counts still fit in units of 8."""
+    pad = -len(data) % 8
+    payload = torch.frombuffer(bytearray(len(data).to_bytes(8, "little") + data + bytes(pad)),
                                dtype=torch.uint8).clone()
     buf = transport.wait(transport.allgather_async(payload, name)).cpu().numpy().tobytes()
     out, pos = [], 0
     for _ in range(transport.size()):
         n = int.from_bytes(buf[pos:pos + 8], "little")
         out.append(buf[pos + 8:pos + 8 + n])
-        pos += 8 + n
+        pos += 8 + n + (-n % 8)
     return out
 
 

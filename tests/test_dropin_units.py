@@ -748,3 +748,32 @@ def test_half_precision_gradients_summing_past_65504_are_finite():
         p.grad = torch.ones_like(p)
         opt.step()
     assert bool((p != 0).any()) and opt.communication_stats()["nonfinite_steps"] == 0
+
+
+def test_byte_strings_are_gathered_in_units_of_eight():
+    """The allgather behind configuration checks and a rank-0 resume's state: each rank's
+    bytes padded to 8 (past 2 GiB in all, MPI's int counts fit only in units of 8; an odd
+    length raised ValueError there) and read back exactly."""
+    from hvd_sparse import safety
+    from hvd_sparse.transport import gatherv_layout
+
+    texts = [b"a", b"", b"0123456789abcdefg"]
+    sent = []
+
+    class Three(LocalTransport):
+        def size(self):
+            return 3
+
+        def allgather_async(self, payload, name):
+            sent.append(payload.numel())
+            others = [torch.frombuffer(bytearray(len(t).to_bytes(8, "little") + t
+                                                 + bytes(-len(t) % 8)), dtype=torch.uint8)
+                      for t in texts[1:]]
+            return torch.cat([payload] + others)
+
+    assert safety._gather_bytes(Three(), texts[0], "t") == texts
+    assert sent[0] % 8 == 0
+    # why: past 2**31 bytes an odd count fits no unit; padded, one of 8 does
+    with pytest.raises(ValueError):
+        gatherv_layout([2**31 + 9, 16])
+    assert gatherv_layout([2**31 + 16, 16])[0] > 1

@@ -490,6 +490,29 @@ def scenario_collective_helpers(res):
         res["helpers_rank0_alone"] = [hvd.local_size(), hvd.cross_size(), hvd.local_rank()]
     res["helpers_allreduce_parameter"] = hvd.allreduce(
         torch.nn.Parameter(torch.full((2,), float(r)))).tolist()
+    if BACKEND == "mpi":  # broadcasts in chunks (MPI's int counts end at 2 GiB): here of 5 bytes
+        chunk, hvd.BROADCAST_CHUNK_BYTES = hvd.BROADCAST_CHUNK_BYTES, 5
+        comm, calls = hvd._comm, []
+
+        class Counting:  # the communicator, counting its Bcast calls
+            def __getattr__(self, name):
+                return getattr(comm, name)
+
+            def Bcast(self, buf, root=0):
+                calls.append(len(buf))
+                return comm.Bcast(buf, root=root)
+
+        hvd._comm = Counting()
+        try:
+            t = torch.arange(37, dtype=torch.float32) * (r + 1)
+            hvd.broadcast_(t, root_rank=n - 1)
+            res["helpers_chunked_broadcast_"] = t.tolist()
+            obj = {"rank": r, "state": torch.arange(11, dtype=torch.float64) * (r + 1)}
+            got = hvd.broadcast_object(obj, root_rank=n - 1)
+            res["helpers_chunked_broadcast_object"] = [got["rank"], got["state"].tolist()]
+            res["helpers_chunked_broadcast_calls"] = calls
+        finally:
+            hvd.BROADCAST_CHUNK_BYTES, hvd._comm = chunk, comm
 
 
 SCENARIOS = [scenario_update_exchange, scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
