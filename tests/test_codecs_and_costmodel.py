@@ -265,8 +265,8 @@ def test_time_cost_model_calibrates_after_the_density_warm_up(monkeypatch):
     opt = _echo_optimizer(m, density_warmup_steps=5, index_coding="plain")
     for step in range(8):
         _step(m, opt)
-        calibrated = opt.communication_stats()["cost_model"]["calibrated_at_step"]
-        assert calibrated == (None if step < 5 else 6)
+        stats = opt.communication_stats()
+        assert stats["cost_model"]["calibrated_at_step"] == (None if step < 5 else 6)
     costs = opt.communication_stats()["cost_model"]["buckets"]["weight"]
     k = int(0.01 * m.weight.numel())
     # two payloads of k (index, value) pairs of 8 bytes and a small header each: the warm-up's

@@ -777,3 +777,30 @@ def test_byte_strings_are_gathered_in_units_of_eight():
     with pytest.raises(ValueError):
         gatherv_layout([2**31 + 9, 16])
     assert gatherv_layout([2**31 + 16, 16])[0] > 1
+
+
+@pytest.mark.parametrize("schedule", ["warmup", "cooldown"])
+def test_adaptive_topk_keeps_its_budget_through_the_density_schedules(schedule):
+    """A scheduled step takes the schedule's k and costs the run's budget its share at the
+    configured density: charged in full, a warm-up of 20 of 200 steps at 1% spent most of the
+    budget (the rest of the run at k_min, a tenth of the density) and a cool-down went
+    nearly dense."""
+    torch.manual_seed(0)
+    total, n = 200, 20_000
+    m = torch.nn.Linear(200, 100, bias=False)
+    kw = dict(density_warmup_steps=20) if schedule == "warmup" else \
+        dict(density_cooldown_steps=20, cooldown_density=0.1)
+    opt = _wrap(m, density=0.01, sparsifier="adaptive", total_steps=total, scope="tensor",
+                check_config=False, **kw)
+    g = torch.Generator().manual_seed(1)
+    selected = []
+    for _ in range(total):
+        opt.zero_grad()
+        (m(torch.randn(8, 200, generator=g)) - torch.randn(8, 100, generator=g)).pow(2) \
+            .mean().backward()
+        opt.step()
+        selected.append(opt.communication_stats()["selected"])  # this step's
+    steady = selected[20:] if schedule == "warmup" else selected[:-20]
+    assert 0.8 * 0.01 * n <= sum(steady) / len(steady) <= 1.2 * 0.01 * n
+    if schedule == "cooldown":  # the schedule's own k, rising to 10%
+        assert selected[-1] == int(0.1 * n) and sum(selected[-20:]) < 0.5 * 0.1 * n * 20

@@ -189,10 +189,14 @@ class Engine:
     def _ctx(self, b, direction, watch=None, whole=True):
         """``whole``: the selection is over the whole bucket (not a sharded region), where a
         layer floor applies."""
-        floor = self.config.layer_floor if whole and len(b.params) > 1 else 0.0
+        c = self.config
+        floor = c.layer_floor if whole and len(b.params) > 1 else 0.0
+        base = None if self._at_target_density() else \
+            (c.density if direction == "up" else c.downlink_density)
         return SelectionContext(bucket=b.name, step=self.steps, rank=self.transport.rank(),
                                 direction=direction, watch=watch,
-                                segments=b.segments if floor else None, layer_floor=floor)
+                                segments=b.segments if floor else None, layer_floor=floor,
+                                base_density=base)
 
     def densities(self):
         """This step's (uplink, downlink) density: the targets, or on the warm-up's and the

@@ -31,6 +31,10 @@ class SelectionContext:
     # ``supports_layer_floor``; :mod:`hvd_sparse.sparsifiers.layer_floor`)
     segments: Optional[Tuple[Tuple[int, int], ...]] = None
     layer_floor: float = 0.0
+    # the configured density of this direction, where this step's is on a warm-up's or a
+    # cool-down's schedule instead (None: the density given is the configured one); a method
+    # that plans a budget over the run plans it at this density
+    base_density: Optional[float] = None
 
     @property
     def floored(self) -> bool:
