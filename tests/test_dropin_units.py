@@ -804,3 +804,29 @@ def test_adaptive_topk_keeps_its_budget_through_the_density_schedules(schedule):
     assert 0.8 * 0.01 * n <= sum(steady) / len(steady) <= 1.2 * 0.01 * n
     if schedule == "cooldown":  # the schedule's own k, rising to 10%
         assert selected[-1] == int(0.1 * n) and sum(selected[-20:]) < 0.5 * 0.1 * n * 20
+
+
+def test_density_schedules_count_optimizer_steps_under_communication_delay():
+    """``local_steps=4`` (one exchange per 4 optimizer steps) with a cool-down over the last 40
+    of ``total_steps=200`` optimizer steps and a warm-up over the first 20: scheduled by
+    exchanges, the cool-down never began (50 exchanges, all at 1%) and the warm-up lasted 80
+    optimizer steps."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(200, 100, bias=False)
+    opt = _wrap(m, density=0.01, total_steps=200, local_steps=4, density_cooldown_steps=40,
+                cooldown_density=0.1, density_warmup_steps=20, scope="tensor",
+                check_config=False)
+    n, exchanged = m.weight.numel(), {}
+    g = torch.Generator().manual_seed(1)
+    for step in range(200):
+        opt.zero_grad()
+        (m(torch.randn(8, 200, generator=g)) - torch.randn(8, 100, generator=g)).pow(2) \
+            .mean().backward()
+        opt.step()
+        stats = opt.communication_stats()
+        if stats["steps"] > len(exchanged):
+            exchanged[step] = stats["selected"] / n
+    assert len(exchanged) == 50
+    assert exchanged[199] == pytest.approx(0.1) and 0.01 < exchanged[163] < 0.02
+    assert all(d == pytest.approx(0.01) for s, d in exchanged.items() if 20 <= s < 160)
+    assert exchanged[3] > 0.3 and exchanged[15] > 0.01

@@ -202,12 +202,21 @@ class Engine:
         """This step's (uplink, downlink) density: the targets, or on the warm-up's and the
         cool-down's schedules (the higher of the two where they meet)."""
         c = self.config
-        up = cooldown_density(self.steps, c.density, c.cooldown_density, c.total_steps,
+        step = self.schedule_step()
+        up = cooldown_density(step, c.density, c.cooldown_density, c.total_steps,
                               c.density_cooldown_steps)
         down = min(1.0, c.downlink_density * (up / c.density))
-        return (max(up, warmup_density(self.steps, c.density, c.density_warmup_steps)),
-                max(down, warmup_density(self.steps, c.downlink_density,
-                                         c.density_warmup_steps)))
+        return (max(up, warmup_density(step, c.density, c.density_warmup_steps)),
+                max(down, warmup_density(step, c.downlink_density, c.density_warmup_steps)))
+
+    def schedule_step(self) -> int:
+        """The optimizer step the schedules (warm-ups, cool-down, ``total_steps``) read: the
+        exchange count, or under ``local_steps`` = τ > 1 the optimizer step this exchange
+        ends (one exchange per τ steps: scheduled by exchanges, a cool-down over the last 40
+        of 200 steps at τ = 4 never began)."""
+        if self.config.local_steps > 1:
+            return max(0, self.local_count - 1)
+        return self.steps
 
     def describe(self) -> dict:
         """What must be the same on every rank (compared before the first exchange)."""
@@ -447,7 +456,7 @@ class Engine:
         an allgather and a sum in rank order."""
         c = self.config
         dense = self.dense_flavour()
-        if not b.sparse or self.steps < c.dense_warmup_steps:
+        if not b.sparse or self.schedule_step() < c.dense_warmup_steps:
             return dense
         if c.cost_model == "time":
             return dense if self.state[b.index].mode == "dense" else None
@@ -1626,7 +1635,11 @@ class Engine:
         """The step count at which the time cost model calibrates: after the dense warm-up
         and the density warm-up, ``calibration_steps`` steps at the configured density."""
         c = self.config
-        return max(c.dense_warmup_steps, c.density_warmup_steps) + c.calibration_steps
+        warm, tau = max(c.dense_warmup_steps, c.density_warmup_steps), c.local_steps
+        # the first exchange past the warm-ups (under local_steps, the first whose optimizer
+        # step, tau * (j + 1) - 1, reaches them)
+        first = warm if tau == 1 else max(0, -(-(warm + 1) // tau) - 1)
+        return first + c.calibration_steps
 
     def calibrate(self) -> None:
         """Time the link, agree on every measurement (maximum over ranks), then choose per
