@@ -90,10 +90,10 @@ class _EchoTransport(LocalTransport):
 def _echo_optimizer(m, **options):
     """hvd_sparse over ``m`` on two echoing ranks, calibrated after its first step."""
     options = {"density": 0.01, "min_sparse_numel": 0, "transport": _EchoTransport(),
-               **options}
+               "calibration_steps": 1, **options}
     return hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01),
                                            named_parameters=m.named_parameters(),
-                                           calibration_steps=1, check_config=False, **options)
+                                           check_config=False, **options)
 
 
 def _step(m, opt):
@@ -272,3 +272,93 @@ def test_time_cost_model_calibrates_after_the_density_warm_up(monkeypatch):
     # two payloads of k (index, value) pairs of 8 bytes and a small header each: the warm-up's
     # first step sent 46% of the bucket
     assert costs["gathered_bytes"] <= 2 * (8 * k + 256) and costs["mode"] == "sparse"
+
+
+class _EchoWorld(_EchoTransport):
+    """``size`` ranks that all send the same bytes."""
+
+    def __init__(self, size):
+        super().__init__()
+        self._size = size
+
+    def size(self):
+        return self._size
+
+    def allgather_async(self, payload, name):
+        return torch.cat([payload] * self._size)
+
+
+def _link(monkeypatch, slow_reduce):
+    from hvd_sparse.engine import calibration
+
+    mib4 = 4 << 20
+    link = [1e-4, 1e-4 + 2 * mib4 / 1e10, 1.0, 1.0 + mib4 / 1e6] if slow_reduce else \
+        [1e-3, 1e-3 + 2 * mib4 / 1e7, 1e-4, 1e-4 + mib4 / 1e10]
+    monkeypatch.setattr(calibration, "measure_link",
+                        lambda transport, device, large_bytes: list(link))
+
+
+def _resumed(m, opt, **options):
+    """A fresh process's optimizer over ``m``, loaded from ``opt``'s checkpoint."""
+    again = _echo_optimizer(m, **options)
+    again.load_state_dict(opt.state_dict())
+    return again
+
+
+def test_a_resumed_run_recalibrates_from_the_saved_measurements(monkeypatch):
+    """Dense on a fast link, then resumed and recalibrated on a slow one: the measurements
+    live in the process, so the resumed run had none for its dense bucket and kept it dense
+    for good; it now prices the last measurement saved with the choice."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(1000, 100, bias=False)
+    _link(monkeypatch, slow_reduce=False)
+    opt = _echo_optimizer(m, recalibrate_every=4, index_coding="plain")
+    for _ in range(3):
+        _step(m, opt)
+    assert opt.communication_stats()["cost_model"]["buckets"]["weight"]["mode"] == "dense"
+    _link(monkeypatch, slow_reduce=True)
+    opt = _resumed(m, opt, recalibrate_every=4, index_coding="plain")
+    for _ in range(5):
+        _step(m, opt)
+    report = opt.communication_stats()["cost_model"]
+    assert report["calibrated_at_step"] == 5 and report["buckets"]["weight"]["mode"] == "sparse"
+
+
+def test_a_run_resumed_on_another_world_size_recalibrates(monkeypatch):
+    """Priced sparse at 2 ranks, resumed at 16, where 16 payloads cost more than a dense
+    allreduce: the 2-rank choice stood for the rest of the run; it is priced again at the
+    first step on the new world."""
+    from hvd_sparse.engine import calibration
+
+    mib4 = 4 << 20  # 10 MB/s for both collectives (an allgather brings P payloads)
+    monkeypatch.setattr(calibration, "measure_link", lambda transport, device, large_bytes: [
+        1e-3, 1e-3 + transport.size() * mib4 / 1e7, 1e-3, 1e-3 + mib4 / 1e7])
+    torch.manual_seed(0)
+    m = torch.nn.Linear(1000, 100, bias=False)
+    kw = dict(index_coding="plain", density=0.05, calibration_steps=2, collective="allgather",
+              deterministic_dense=False)  # dense: one allreduce, whatever the world size
+    opt = _echo_optimizer(m, **kw)
+    for _ in range(2):
+        _step(m, opt)
+    assert opt.communication_stats()["cost_model"]["buckets"]["weight"]["mode"] == "sparse"
+    with pytest.warns(UserWarning, match="loaded on rank 0 of 16"):
+        opt = _resumed(m, opt, transport=_EchoWorld(16), **kw)
+    _step(m, opt)
+    report = opt.communication_stats()["cost_model"]
+    assert report["calibrated_at_step"] == 3 and report["buckets"]["weight"]["mode"] == "dense"
+
+
+def test_the_first_step_of_a_resumed_process_is_not_priced(monkeypatch):
+    """Resumed one step before its calibration: that step pays compilation and first
+    allocations; priced, it sent the bucket dense for good (0.77 s against 6-26 ms)."""
+    _link(monkeypatch, slow_reduce=True)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(1000, 100, bias=False)
+    opt = _echo_optimizer(m, calibration_steps=3)
+    for _ in range(2):
+        _step(m, opt)
+    opt = _resumed(m, opt, calibration_steps=3)
+    _step(m, opt)
+    report = opt.communication_stats()["cost_model"]
+    assert report["calibrated_at_step"] == 3
+    assert report["buckets"]["weight"]["compute_s"] == 0.0  # nothing priced from that step

@@ -160,6 +160,9 @@ class Engine:
         self._acc_in_scan = os.environ.get("HVD_SPARSE_ACC_IN_SCAN", "on") != "off"
         self.link: Optional[costmodel.Link] = None
         self.calibrated_at: Optional[int] = None
+        self.calibrated_world: Optional[int] = None  # the world size it calibrated at
+        self._steps_here = 0  # steps this process ran (not replicated, not saved)
+        self._measured_world = transport.size()  # the world size of the measurements
         self._measured: Dict[int, float] = {}  # per bucket: least sparse compute seen
         self._wire_bytes: Dict[int, int] = {}  # per bucket: largest payload seen
         self._wire_entries: Dict[int, int] = {}  # per bucket: most positions gathered
@@ -333,6 +336,7 @@ class Engine:
             "steps": self.steps,
             "local_count": self.local_count,
             "calibrated_at": self.calibrated_at,
+            "calibrated_world": self.calibrated_world,
             "buckets": {b.name: {"downlink": self.state[b.index].downlink.buffer,
                                  "mode": self.state[b.index].mode,
                                  "collective": self.state[b.index].collective,
@@ -371,6 +375,7 @@ class Engine:
         self.steps = int(saved.get("steps", 0))
         self.local_count = int(saved.get("local_count", 0))
         self.calibrated_at = saved.get("calibrated_at")
+        self.calibrated_world = saved.get("calibrated_world")
         self.config.sparsifier.load_state_dict(saved.get("sparsifier", {}))
         self.config.downlink_sparsifier.load_state_dict(saved.get("downlink_sparsifier", {}))
 
@@ -1597,18 +1602,31 @@ class Engine:
     # ----------------------------------------------------------------- end of step
     def _end_step(self):
         c = self.config
+        size = self.transport.size()
+        if self._measured_world != size:  # what was measured at another world size is not
+            for seen in (self._measured, self._wire_bytes, self._wire_entries,  # this one's
+                         self._measured_coding):
+                seen.clear()
+            self._measured_world = size
         if self._at_target_density():  # what the cost model weighs is the steady state
             for index, dt in self.clock.bucket_compute.items():
-                if self.steps >= 1 or c.calibration_steps == 1:  # step 0 pays compilation
+                # this process's first step pays compilation and first allocations (a run
+                # resumed just before its calibration priced them and went dense for good)
+                if self._steps_here >= 1 or c.calibration_steps == 1:
                     self._measured[index] = min(self._measured.get(index, dt), dt)
         self.stats.end_step()
         self.clock.end_step()
         self.steps += 1
+        self._steps_here += 1
         self._consolidated.clear()
-        if c.cost_model == "time" and self.transport.size() > 1 and (
+        if c.cost_model == "time" and size > 1 and (
                 self.steps == self.calibration_step()
                 or (c.recalibrate_every and self.calibrated_at is not None
-                    and self.steps - self.calibrated_at >= c.recalibrate_every)):
+                    and self.steps - self.calibrated_at >= c.recalibrate_every)
+                # resumed on, or grown or shrunk to, another world size: its choices priced
+                # another number of payloads (replicated state: every rank sees the same)
+                or (self.calibrated_at is not None
+                    and self.calibrated_world not in (None, size))):
             self.calibrate()
         if c.rebalance_every and self.steps % c.rebalance_every == 0:
             for b in self.buckets:
@@ -1676,6 +1694,16 @@ class Engine:
         ratio = c.downlink_density / c.density
         for b, cs, nbytes, count in zip(sparse, compute, gathered, entries):
             st = self.state[b.index]
+            if cs <= 0 and st.costs.get("gathered_bytes"):
+                # not measured in this process (resumed, or the world changed, while dense):
+                # the last measurement, saved with the choices (as plain positions), its bytes
+                # scaled to this world's number of payloads
+                cs = st.costs["compute_s"]
+                if nbytes <= 0:
+                    scale = size / st.costs.get("world", size)
+                    nbytes = st.costs["gathered_bytes"] * scale
+                    count = st.costs.get("entries", 0.0) * scale
+                    self._measured_coding.pop(b.index, None)
             if nbytes <= 0:  # never went sparse: no measurement, keep the current choice
                 continue
             cs_golomb = bytes_golomb = None
@@ -1713,11 +1741,13 @@ class Engine:
             # state, digested by repr and sent through torch.load(weights_only=True)
             st.costs = {"sparse_s": float(t_sparse), "dense_s": float(t_dense),
                         "compute_s": float(cs), "gathered_bytes": float(nbytes),
+                        "entries": float(count), "world": float(size),
                         "allgather_s": float(t_gather), "sharded_s": float(t_sharded),
                         "collective": self.collective(b), "index_coding": self.index_coding(b)}
             if t_golomb is not None:
                 st.costs["golomb_allgather_s"] = float(t_golomb)
         self.calibrated_at = self.steps
+        self.calibrated_world = size
 
     def downlink_paths(self) -> dict:
         """How the CPU downlink selections were made since the start: from the watched
