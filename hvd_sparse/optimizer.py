@@ -331,6 +331,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if self._hs_transport.included():
             self._hs_fill_missing_grads()
             self._hs_check_unexchanged()
+        if engine.config.local_clip_norm is not None:
+            engine.clip_gradients()
         # a non-finite gradient is not applied locally (the weights would never recover)
         result = self._hs_base.step(self, closure) if engine.local_step_finite() else None
         self._hs_reset_round()

@@ -830,3 +830,17 @@ def test_density_schedules_count_optimizer_steps_under_communication_delay():
     assert exchanged[199] == pytest.approx(0.1) and 0.01 < exchanged[163] < 0.02
     assert all(d == pytest.approx(0.01) for s, d in exchanged.items() if 20 <= s < 160)
     assert exchanged[3] > 0.3 and exchanged[15] > 0.01
+
+
+def test_local_clip_norm_clips_the_gradients_where_updates_are_exchanged():
+    """AdamW (updates exchanged) with ``local_clip_norm=1``: a gradient spike must reach Adam's
+    moments clipped, as under exchanged gradients; the weight change was clipped instead, far
+    below the limit, and the spike went through whole."""
+    m = _net()
+    opt = _wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-3), local_clip_norm=1.0,
+                scope="tensor")
+    assert opt.communication_stats()["exchange"] == "update"
+    _train(m, opt, 2)
+    _train(m, opt, 1, scale=1e4)  # the spike
+    top = max(float(opt.state[p]["exp_avg_sq"].max()) for p in m.parameters())
+    assert top < 1.0  # unclipped: ~1e4 and above

@@ -23,6 +23,7 @@ ready buckets and call :meth:`Engine.finish`; they never touch its state directl
 from __future__ import annotations
 
 import io
+import math
 import os
 import warnings
 from types import MappingProxyType
@@ -496,8 +497,8 @@ class Engine:
         given = flat is not None
         dense_mode = self.mode(b)
         parts, minus = delta if delta is not None else (None, None)
-        if delta is not None and (dense_mode or c.local_clip_norm is not None):
-            flat = self.weight_change(b)  # read whole: the dense path or the clip needs it
+        if delta is not None and dense_mode:
+            flat = self.weight_change(b)  # read whole: the dense path needs it
             parts = minus = None
         if not given:
             lazy = None if dense_mode else self._gradient_parts(b)
@@ -506,7 +507,7 @@ class Engine:
             else:
                 flat, sparse_ids = self.gradient(b)
         name = f"hvd_sparse.{b.index}.{b.name}"
-        if c.local_clip_norm is not None:
+        if c.local_clip_norm is not None and delta is None:  # (updates: clip_gradients)
             flat = clip_local(flat, c.local_clip_norm, self.transport.size())
         if dense_mode:
             with self.clock.stage("dense"):
@@ -1309,6 +1310,23 @@ class Engine:
             n = hi - lo
             torch.sub(p.detach().reshape(-1)[lo:hi], anchor[off:off + n], out=out[off:off + n])
         return out
+
+    def clip_gradients(self) -> None:
+        """DGC's local gradient clipping where weight updates are exchanged: each bucket's
+        ``p.grad`` scaled to L2 norm at most ``local_clip_norm / sqrt(P)`` before the wrapped
+        optimizer's local step. Clipping the weight change instead did nothing (its norm is
+        far below the limit; Adam's moments saw the unclipped spike)."""
+        limit = self.config.local_clip_norm / math.sqrt(self.transport.size())
+        for b in self.buckets:
+            pieces = [p.grad.view(-1)[lo:hi] for p, (lo, hi) in zip(b.params, b.slices)
+                      if p.grad is not None and not p.grad.is_sparse]
+            if not pieces:
+                continue
+            norm = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g.float()) for g in pieces]))
+            scale = torch.clamp(limit / (norm + 1e-12), max=1.0)
+            for g in pieces:
+                g.mul_(scale.to(g.dtype))
 
     def local_step_done(self) -> bool:
         """Count a local step; True when it is time to exchange the weight change."""
