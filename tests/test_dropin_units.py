@@ -844,3 +844,16 @@ def test_local_clip_norm_clips_the_gradients_where_updates_are_exchanged():
     _train(m, opt, 1, scale=1e4)  # the spike
     top = max(float(opt.state[p]["exp_avg_sq"].max()) for p in m.parameters())
     assert top < 1.0  # unclipped: ~1e4 and above
+
+
+def test_a_non_finite_step_counts_what_it_sent():
+    """Under the default ``nonfinite="propagate"`` a step whose gradient holds Inf sends the
+    flagged payload, then the raw gradient dense: ``communication_stats()`` counted 0 bytes."""
+    m = _net()
+    opt = _wrap(m, scope="tensor")
+    _train(m, opt, 2)
+    dense = opt.communication_stats()["dense_bytes"]
+    _train(m, opt, 1, scale=float("inf"))
+    stats = opt.communication_stats()
+    assert stats["nonfinite_steps"] == 1 and stats["selected"] == 0
+    assert stats["bytes_sent"] >= dense and stats["dense_bytes"] == dense

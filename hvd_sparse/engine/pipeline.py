@@ -1561,6 +1561,11 @@ class Engine:
         average of the raw gradients, NaN/Inf included, so a loss scaler sees them and skips
         the step), "skip" zeroes the gradients and skips the step, "raise" raises."""
         c = self.config
+        for b in self.buckets:  # what went over the wire all the same (nothing selected)
+            job, got = self.inflight[b.index], received[b.index][1]
+            own = job.nbytes if job.kind in ("sparse", "sharded") else 0
+            self.stats.record(b.name, sent=job.nbytes, received=got - own, dense=b.nbytes,
+                              selected=0, numel=b.numel, target=0, downlink_selected=0)
         where = "; ".join(f"bucket '{name}' on rank(s) {ranks}" if ranks != [-1]
                           else f"bucket '{name}' (after the allreduce)"
                           for name, ranks in bad.items())
@@ -1606,7 +1611,9 @@ class Engine:
                                self.dense_flavour(), flush=False)
         for b in self.buckets:
             if b.index in raw_ids:
-                (out, _), _ = self._receive(b)
+                (out, got), _ = self._receive(b)
+                self.stats.record(b.name, sent=self.inflight[b.index].nbytes, received=got,
+                                  dense=0, selected=0, numel=0, target=0, downlink_selected=0)
             else:
                 out = received[b.index][0]
             self._write_dense(b, out, self.inflight[b.index].sparse_grads, "grads")
