@@ -15,6 +15,8 @@ class CommunicationStats:
     ``selected`` is this rank's uplink count and ``target`` what the sparsifier aimed at;
     ``compression_error`` is ``sum ||acc - sent||^2`` over buckets (its running sum in ``totals``
     is the *total error* of Sahu et al.); ``bits_per_selected`` is wire bits per sent entry.
+    ``totals["calibration_bytes"]``: what the time cost model's link probes sent (apart from
+    ``bytes_sent``, which counts the steps' exchanges).
     """
 
     KEYS = ("bytes_sent", "bytes_received", "dense_bytes", "selected", "numel", "target",
@@ -26,6 +28,7 @@ class CommunicationStats:
         self.nonfinite_steps = 0  # steps where some rank's gradient held NaN/Inf
         self.totals = {k: 0 for k in self.KEYS}
         self.totals["compression_error"] = 0.0
+        self.totals["calibration_bytes"] = 0  # the time cost model's link probes, sent
         self.last: Dict[str, float] = {k: 0 for k in self.KEYS}
         self.last["compression_error"] = 0.0
         self.last_per_bucket: Dict[str, dict] = {}

@@ -120,6 +120,8 @@ def test_time_cost_model_decides_from_the_agreed_figures(monkeypatch, fast):
         _step(m, opt)
     report = opt.communication_stats()["cost_model"]
     assert report["calibrated_at_step"] == 1
+    # the link probes' bytes, counted apart from the steps' exchanges
+    assert opt.communication_stats()["totals"]["calibration_bytes"] > 4 << 20
     want = "dense" if fast == "reduce" else "sparse"
     assert {b["mode"] for b in report["buckets"].values()} == {want}
     s = opt.communication_stats()
@@ -149,8 +151,9 @@ def test_calibration_grows_the_transfer_past_a_cycle_locked_latency(monkeypatch,
         return [cycle, 2 * t, cycle, t]  # the allgather receives P = 2 copies
 
     monkeypatch.setattr(calibration, "measure_link", locked)
-    times, large = calibration.agreed_link(_EchoTransport(), "cpu", largest)
+    times, large, sent = calibration.agreed_link(_EchoTransport(), "cpu", largest)
     assert large == expect_large and sizes[-1] == large and sizes[0] == 4 << 20
+    assert sent == sum(calibration.probe_bytes(s) for s in sizes)  # every probe counted
     link = calibration.link_from(times, 2, large)
     if large == 16 << 20:  # the transfer dominates: the bandwidth is the link's, near enough
         assert 0.5 * rate < link.reduce_bandwidth_Bps < 2 * rate

@@ -39,7 +39,17 @@ DOMINATES = 3.0
 MAX_LARGE_BYTES = 64 << 20
 
 
-def measure_link(transport, device, large_bytes: int = LARGE_BYTES, reps: int = 3) -> list:
+#: timed repetitions of each probe (after one warm-up)
+REPS = 3
+
+
+def probe_bytes(large_bytes: int) -> int:
+    """What one :func:`measure_link` sends from this rank: each of its four probes (allgather
+    and allreduce, small and large) once to warm up and ``REPS`` times timed."""
+    return (REPS + 1) * 2 * (SMALL_BYTES + large_bytes)
+
+
+def measure_link(transport, device, large_bytes: int = LARGE_BYTES, reps: int = REPS) -> list:
     """This rank's [gather small, gather large, reduce small, reduce large] seconds."""
     out = []
     for kind in ("gather", "reduce"):
@@ -62,16 +72,18 @@ def measure_link(transport, device, large_bytes: int = LARGE_BYTES, reps: int = 
 
 
 def agreed_link(transport, device, largest_bucket_bytes: int):
-    """The agreed timings and the large size they were taken at: ``(times, large_bytes)``.
-    Every rank grows the size on the same agreed figures, so all stop together."""
+    """The agreed timings, the large size they were taken at and the probe bytes this rank
+    sent: ``(times, large_bytes, sent)``. Every rank grows the size on the same agreed
+    figures, so all stop together."""
     cap = max(LARGE_BYTES, min(MAX_LARGE_BYTES, int(largest_bucket_bytes)))
-    large = LARGE_BYTES
+    large, sent = LARGE_BYTES, 0
     while True:
         times = agree_max(transport, measure_link(transport, device, large),
                           f"hvd_sparse.calibrate.link.{large}")
+        sent += probe_bytes(large)
         g_small, g_large, r_small, r_large = times
         if large >= cap or (g_large >= DOMINATES * g_small and r_large >= DOMINATES * r_small):
-            return times, large
+            return times, large, sent
         large = min(cap, large * 4)
 
 

@@ -1693,9 +1693,10 @@ class Engine:
         size = self.transport.size()
         device = self.buckets[0].params[0].device if self.buckets else "cpu"
         sparse = [b for b in self.buckets if b.sparse]
-        times, large = calibration.agreed_link(
+        times, large, probes = calibration.agreed_link(
             self.transport, device, max((b.nbytes for b in self.buckets), default=0))
         self.link = calibration.link_from(times, size, large)
+        self.stats.totals["calibration_bytes"] += probes  # not part of any step's exchange
         n = len(sparse)
         local = [self._measured.get(b.index, 0.0) for b in sparse]
         local += [float(self._wire_bytes.get(b.index, 0)) for b in sparse]
