@@ -80,6 +80,7 @@ def test_join_is_refused_clearly_with_sparse_buckets_and_works_dense(parity):
         sparse, dense = r["join"]["0.05"], r["join"]["1.0"]
         assert "hvd.join()" in sparse.get("error", "") and "same number of steps" in sparse["error"]
         assert "returned" in dense, dense
+        assert "hvd.join()" in r["join"]["0.05-dense-warmup"].get("error", "")
 
 
 def test_weights_reloaded_and_broadcast_stand_under_exchanged_updates(parity):

@@ -479,8 +479,14 @@ class Engine:
     def join_blockers(self) -> List[str]:
         """The buckets whose next exchange is not an allreduce (a sparse allgather or
         all-to-all, a dense gather): a rank inside Horovod's ``join()`` stands in for
-        allreduces only, with zeros."""
-        return [b.name for b in self.buckets if self.mode(b) != "reduce"]
+        allreduces only, with zeros. Also a bucket allreduced for now only: in a dense
+        warm-up, or before (or between) the time cost model's calibrations, whose link probes
+        are allgathers too; the other ranks then failed when the warm-up ended."""
+        c = self.config
+        pending = c.cost_model == "time" and (self.calibrated_at is None
+                                              or bool(c.recalibrate_every))
+        return [b.name for b in self.buckets if self.mode(b) != "reduce" or (
+            b.sparse and (pending or self.schedule_step() < c.dense_warmup_steps))]
 
     def launch(self, b, flat=None, sparse_ids=frozenset(), delta=None):
         """Run a bucket's uplink and start its collective (``flat``: given by the
