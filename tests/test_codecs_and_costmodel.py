@@ -365,3 +365,28 @@ def test_the_first_step_of_a_resumed_process_is_not_priced(monkeypatch):
     report = opt.communication_stats()["cost_model"]
     assert report["calibrated_at_step"] == 3
     assert report["buckets"]["weight"]["compute_s"] == 0.0  # nothing priced from that step
+
+
+def test_adaptive_topk_is_priced_at_its_mean_payload(monkeypatch):
+    """Adaptive Top-K's k follows the gradient's energy over a 100x range: the time model
+    priced a bucket at the largest payload it had seen (3x the run's mean), which tips
+    buckets dense; it prices the mean per exchange."""
+    _link(monkeypatch, slow_reduce=True)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(1000, 100, bias=False)
+    opt = _echo_optimizer(m, sparsifier="adaptive", total_steps=60, recalibrate_every=20,
+                          index_coding="plain", calibration_steps=3)
+    gathered = []
+    for step in range(41):
+        opt.zero_grad()
+        spike = 10.0 if step % 7 == 0 else 1.0  # a few steps of large gradients: large k
+        (spike * (m(torch.randn(8, 1000)) - torch.randn(8, 100)).pow(2).mean()).backward()
+        opt.step()
+        s = opt.communication_stats()
+        assert s["nonfinite_steps"] == 0 and s["selected"] < m.weight.numel()
+        gathered.append(s["bytes_sent"] + s["bytes_received"])  # this step's allgather
+    report = opt.communication_stats()["cost_model"]
+    seen = gathered[:report["calibrated_at_step"]]  # the exchanges before the last calibration
+    assert max(seen) > 1.5 * (sum(seen) / len(seen))  # k did vary
+    priced = report["buckets"]["weight"]["gathered_bytes"]
+    assert priced == pytest.approx(sum(seen) / len(seen), rel=1e-6)

@@ -165,8 +165,10 @@ class Engine:
         self._steps_here = 0  # steps this process ran (not replicated, not saved)
         self._measured_world = transport.size()  # the world size of the measurements
         self._measured: Dict[int, float] = {}  # per bucket: least sparse compute seen
-        self._wire_bytes: Dict[int, int] = {}  # per bucket: largest payload seen
-        self._wire_entries: Dict[int, int] = {}  # per bucket: most positions gathered
+        # per bucket: [gathered bytes, gathered positions, exchanges] summed (the cost model
+        # prices the mean: adaptive Top-K's k ranges over 100x, and its largest payload,
+        # priced before, tipped buckets dense)
+        self._wire: Dict[int, list] = {}
         self._measured_coding: Dict[int, str] = {}  # per bucket: the code those were seen with
         self.codec: Optional[list] = None  # Golomb-Rice [encode, decode] s per position, agreed
         # replicated state is compared (and, if it differs, taken from the root) before the
@@ -965,9 +967,7 @@ class Engine:
                           dense=b.nbytes, selected=job.selected, numel=b.numel,
                           target=job.target, error=job.error, downlink_selected=down_selected)
         if self._at_target_density():
-            self._wire_bytes[b.index] = max(self._wire_bytes.get(b.index, 0), gathered_bytes)
-            self._wire_entries[b.index] = max(self._wire_entries.get(b.index, 0),
-                                              sum(p.indices.numel() for p in payloads))
+            self._note_wire(b, gathered_bytes, sum(p.indices.numel() for p in payloads))
             self._measured_coding[b.index] = self.index_coding(b)
 
     # ----------------------------------------------------------------- sharded exchange
@@ -1226,8 +1226,7 @@ class Engine:
                           target=job.target, error=job.error, downlink_selected=idx.numel())
         # what an allgather of this rank's payload would bring (the cost model's common unit)
         if self._at_target_density():
-            self._wire_bytes[b.index] = max(self._wire_bytes.get(b.index, 0),
-                                            self.transport.size() * (job.nbytes + job.own_bytes))
+            self._note_wire(b, self.transport.size() * (job.nbytes + job.own_bytes), 0)
 
     # ----------------------------------------------------------------- write
     def _write_sparse(self, b, idx, values, sparse_ids, write, ops, zeroed):
@@ -1635,8 +1634,7 @@ class Engine:
         c = self.config
         size = self.transport.size()
         if self._measured_world != size:  # what was measured at another world size is not
-            for seen in (self._measured, self._wire_bytes, self._wire_entries,  # this one's
-                         self._measured_coding):
+            for seen in (self._measured, self._wire, self._measured_coding):  # this one's
                 seen.clear()
             self._measured_world = size
         if self._at_target_density():  # what the cost model weighs is the steady state
@@ -1670,6 +1668,12 @@ class Engine:
                        .downlink.buffer) for b in self.buckets
                       if self.state[b.index].downlink.buffer is not None]
             safety.verify_replicas(self.transport, named, self.steps)
+
+    def _note_wire(self, b, gathered_bytes, positions) -> None:
+        w = self._wire.setdefault(b.index, [0, 0, 0])
+        w[0] += gathered_bytes
+        w[1] += positions
+        w[2] += 1
 
     def _at_target_density(self) -> bool:
         """This step runs at the configured densities (not on the warm-up's or the
@@ -1705,8 +1709,9 @@ class Engine:
         self.stats.totals["calibration_bytes"] += probes  # not part of any step's exchange
         n = len(sparse)
         local = [self._measured.get(b.index, 0.0) for b in sparse]
-        local += [float(self._wire_bytes.get(b.index, 0)) for b in sparse]
-        local += [float(self._wire_entries.get(b.index, 0)) for b in sparse]
+        wire = [self._wire.get(b.index, [0, 0, 1]) for b in sparse]
+        local += [w[0] / w[2] for w in wire]  # per exchange, on average
+        local += [w[1] / w[2] for w in wire]
         # (the code is priced where numba codes it: without it the walk is a Python loop)
         coding = c.index_coding == "auto" and torch.device(device).type == "cpu" and n > 0 \
             and cpu.available()
@@ -1764,7 +1769,7 @@ class Engine:
             st.mode = "dense" if t_dense < t_sparse else "sparse"
             if recode and st.mode == "sparse":  # measured anew under its new code (a bucket
                 # gone dense keeps what it was seen doing, for a later recalibration)
-                for seen in (self._measured, self._wire_bytes, self._wire_entries):
+                for seen in (self._measured, self._wire):
                     seen.pop(b.index, None)
             if st.mode == "dense" and self.collective(b) == "sharded":
                 # the first dense exchange flushes the downlink residual: it must be whole
