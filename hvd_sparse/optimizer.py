@@ -387,14 +387,11 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         passes = passes_per_step(passes)
         engine = self._hs_engine
         c = engine.config
-        if passes > 1 and c.exchanges_updates:
-            # updates are exchanged once per optimizer step, gradients may accumulate first:
-            # the library's own choice of updates gives way while none was exchanged yet
-            if not (self._hs_exchange_auto and c.local_steps == 1 and engine.steps == 0
-                    and engine.local_count == 0):
-                raise ValueError("backward_passes_per_step > 1 cannot be combined with "
-                                 "exchanged weight updates (exchange='update' or local_steps "
-                                 "> 1) once they are exchanged; wrap with exchange='gradient'")
+        if passes > 1 and c.exchanges_updates and self._hs_exchange_auto \
+                and c.local_steps == 1 and engine.steps == 0 and engine.local_count == 0:
+            # the library's own choice with gradient accumulation is Horovod's contract
+            # (gradients), while nothing was exchanged yet; later, updates stay exchanged (the
+            # accumulated gradient makes one local step, then the update goes out)
             c = dataclasses.replace(c, exchange="gradient", bidirectional=True
                                     if self._hs_bidirectional_auto else c.bidirectional)
         self.backward_passes_per_step = passes

@@ -369,7 +369,8 @@ def test_downlink_selection_by_default_where_gradients_are_exchanged_only():
 def test_gradient_accumulation_set_later_turns_auto_updates_into_gradients():
     """set_backward_passes_per_step(2) after wrapping an adaptive optimizer: the library's
     choice of updates gives way before any was exchanged (as the constructor's would); an
-    explicit exchange="update", or one already under way, refuses clearly."""
+    explicit exchange="update", or one already under way, stays (accumulated gradients, one
+    local step, then the update exchanged; it raised ValueError where Horovod goes on)."""
     m = _net()
     opt = _wrap(m, torch.optim.Adam(m.parameters(), lr=1e-3))
     assert opt.communication_stats()["exchange"] == "update"
@@ -379,8 +380,8 @@ def test_gradient_accumulation_set_later_turns_auto_updates_into_gradients():
     _train(m, opt, 1)  # two backward passes per step now: one step is fine
     m2 = _net()
     forced = _wrap(m2, torch.optim.Adam(m2.parameters(), lr=1e-3), exchange="update")
-    with pytest.raises(ValueError, match="cannot be combined with exchanged weight updates"):
-        forced.set_backward_passes_per_step(2)
+    forced.set_backward_passes_per_step(2)
+    assert forced.communication_stats()["exchange"] == "update"
     with pytest.raises(ValueError, match="positive whole number"):
         opt.set_backward_passes_per_step(1.5)
 
@@ -857,3 +858,38 @@ def test_a_non_finite_step_counts_what_it_sent():
     stats = opt.communication_stats()
     assert stats["nonfinite_steps"] == 1 and stats["selected"] == 0
     assert stats["bytes_sent"] >= dense and stats["dense_bytes"] == dense
+
+
+@pytest.mark.parametrize("midrun", [False, True])
+def test_exchanged_updates_with_gradient_accumulation(midrun):
+    """AdamW, updates exchanged, two backward passes per step (from the start, or set after
+    updates were exchanged, as a Horovod script may): at density 1 over two ranks that send
+    the same bytes, every step equals AdamW's own over the accumulated gradient."""
+    class Echo(LocalTransport):
+        def size(self):
+            return 2
+
+        def allgather_async(self, payload, name):
+            return torch.cat([payload, payload])
+
+    m, ref = _net(), _net()
+    opt = hvd_sparse.DistributedOptimizer(
+        torch.optim.AdamW(m.parameters(), lr=1e-2), named_parameters=m.named_parameters(),
+        exchange="update", density=1.0, cost_model="off", transport=Echo(),
+        backward_passes_per_step=1 if midrun else 2, check_config=False, min_sparse_numel=0)
+    base = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        passes = 1 if midrun and step == 0 else 2
+        if midrun and step == 1:
+            opt.set_backward_passes_per_step(2)
+        batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 3, (8,), generator=g))
+                   for _ in range(passes)]
+        for model, o in ((m, opt), (ref, base)):
+            o.zero_grad()
+            for x, y in batches:
+                F.cross_entropy(model(x), y).backward()
+            o.step()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.allclose(p, q, rtol=0, atol=1e-6), step
+    assert opt.communication_stats()["exchange"] == "update"

@@ -248,9 +248,6 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         raise ValueError("momentum_masking applies where weight updates are exchanged "
                          "(exchange='update' or local_steps > 1); where gradients are, "
                          "momentum_correction masks its own velocity")
-    if (local_steps > 1 or exchange == "update") and backward_passes_per_step != 1:
-        raise ValueError("exchanging weight updates (local_steps > 1 or exchange='update') and "
-                         "backward_passes_per_step > 1 cannot be combined")
     if cost_model not in COST_MODELS:
         raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
     if not dense_fallback:
