@@ -81,6 +81,10 @@ def test_join_is_refused_clearly_with_sparse_buckets_and_works_dense(parity):
         assert "hvd.join()" in sparse.get("error", "") and "same number of steps" in sparse["error"]
         assert "returned" in dense, dense
         assert "hvd.join()" in r["join"]["0.05-dense-warmup"].get("error", "")
+        # uneven steps, small tensors only: Horovod's join, with Horovod's result
+        ours, theirs = r["join"]["uneven-small-hvd_sparse"], r["join"]["uneven-small-horovod"]
+        assert "returned" in ours, ours
+        assert ours["params"] == theirs["params"]
 
 
 def test_weights_reloaded_and_broadcast_stand_under_exchanged_updates(parity):

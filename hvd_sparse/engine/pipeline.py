@@ -268,10 +268,11 @@ class Engine:
         self._agreed_size = size
         root, self.agreement_root = self.agreement_root, 0
         if world_changed:
-            self._recover_regions()
+            if self.holds_replicated_state():
+                self._recover_regions()
             self._warn_changed_dtypes()
-        if size == 1:
-            return
+        if size == 1 or not self.holds_replicated_state():
+            return  # (every bucket allreduced on p.grad: Horovod's step, nothing to agree on)
         theirs = agreement.agree(self.transport,
                                  self.describe() if self.config.check_config else None,
                                  self.replicated_state(), root)
@@ -478,6 +479,13 @@ class Engine:
                 return dense
         return None
 
+    def holds_replicated_state(self) -> bool:
+        """Is there anything ranks must hold alike beyond the parameters (a sparse-capable
+        bucket, anchors of exchanged updates)? Without, the exchange is Horovod's allreduce
+        on ``p.grad`` alone: no agreement, no calibration, and ``hvd.join()`` works as
+        Horovod's (their allgathers crashed a rank that joined early with a small model)."""
+        return self.config.exchanges_updates or any(b.sparse for b in self.buckets)
+
     def join_blockers(self) -> List[str]:
         """The buckets whose next exchange is not an allreduce (a sparse allgather or
         all-to-all, a dense gather): a rank inside Horovod's ``join()`` stands in for
@@ -485,6 +493,9 @@ class Engine:
         warm-up, or before (or between) the time cost model's calibrations, whose link probes
         are allgathers too; the other ranks then failed when the warm-up ended."""
         c = self.config
+        if self.holds_replicated_state() and self.transport.size() > 1 and (
+                self.agreement_due or self._agreed_size != self.transport.size()):
+            return [b.name for b in self.buckets]  # the agreement's allgather comes first
         pending = c.cost_model == "time" and (self.calibrated_at is None
                                               or bool(c.recalibrate_every))
         return [b.name for b in self.buckets if self.mode(b) != "reduce" or (
@@ -1648,7 +1659,7 @@ class Engine:
         self.steps += 1
         self._steps_here += 1
         self._consolidated.clear()
-        if c.cost_model == "time" and size > 1 and (
+        if c.cost_model == "time" and size > 1 and any(b.sparse for b in self.buckets) and (
                 self.steps == self.calibration_step()
                 or (c.recalibrate_every and self.calibrated_at is not None
                     and self.steps - self.calibrated_at >= c.recalibrate_every)
