@@ -639,7 +639,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         raise ValueError("momentum_masking=True needs a wrapped optimizer with momentum (SGD's "
                          "momentum_buffer); this one has no 'momentum' > 0 in its param groups")
     if num_groups:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups`.", DeprecationWarning)
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed "
+                      "in v0.23.0.", DeprecationWarning)  # Horovod's words
         groups = num_groups if groups is None else groups
     if groups is not None:
         if isinstance(groups, bool) or not (isinstance(groups, list)

@@ -119,7 +119,8 @@ def passes_per_step(value) -> int:
     Horovod takes)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not math.isfinite(value) or value != int(value) or value < 1:
-        raise ValueError(f"backward_passes_per_step must be a positive whole number, "
+        # Horovod's words first ("must be > 0"), for code that matches them
+        raise ValueError(f"backward_passes_per_step must be > 0 and a positive whole number, "
                          f"got {value!r}")
     return int(value)
 
