@@ -133,7 +133,20 @@ def broadcast_object(obj, root_rank=0, name=None):
 
 
 def allgather_object(obj, name=None):
-    return _c().allgather(obj)
+    """Every rank's picklable object, in rank order; each broadcast from its rank as bytes in
+    chunks (one mpi4py ``allgather`` fails past 2 GiB)."""
+    import numpy as np
+
+    comm = _c()
+    mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sizes = comm.allgather(len(mine))
+    out = []
+    for root, size in enumerate(sizes):
+        buf = np.frombuffer(bytearray(mine), dtype=np.uint8) if root == comm.Get_rank() \
+            else np.empty(size, dtype=np.uint8)
+        _bcast_bytes(buf, root)
+        out.append(pickle.loads(mine if root == comm.Get_rank() else buf.tobytes()))
+    return out
 
 
 def allreduce(tensor, op=None, name=None):

@@ -170,14 +170,15 @@ def test_tensor_helpers_around_the_optimizer(dropin):
 
 
 def test_mpi_broadcasts_in_chunks(dropin):
-    """hvd_sparse.mpi's broadcast_ and broadcast_object cut their bytes into chunks (MPI's int
-    counts end at 2 GiB; one mpi4py bcast of AdamW's state over 268M parameters failed): with
-    5-byte chunks, rank n - 1's tensor and object arrive whole on every rank."""
+    """hvd_sparse.mpi's broadcast_, broadcast_object and allgather_object cut their bytes into
+    chunks (MPI's int counts end at 2 GiB; one mpi4py bcast of AdamW's state over 268M
+    parameters failed): with 5-byte chunks, every object and tensor arrives whole."""
     n = len(dropin)
     if "helpers_chunked_broadcast_" not in dropin[0]:
         pytest.skip("Horovod's own broadcasts: the chunking is hvd_sparse.mpi's")
     for r in dropin:
         assert r["helpers_chunked_broadcast_"] == [float(i * n) for i in range(37)]
         assert r["helpers_chunked_broadcast_object"] == [n - 1, [float(i * n) for i in range(11)]]
+        assert r["helpers_chunked_allgather_object"] == [[i, 3 * i + 1] for i in range(n)]
         calls = r["helpers_chunked_broadcast_calls"]
         assert len(calls) > 37 * 4 // 5 and max(calls) == 5

@@ -510,6 +510,8 @@ def scenario_collective_helpers(res):
             obj = {"rank": r, "state": torch.arange(11, dtype=torch.float64) * (r + 1)}
             got = hvd.broadcast_object(obj, root_rank=n - 1)
             res["helpers_chunked_broadcast_object"] = [got["rank"], got["state"].tolist()]
+            got = hvd.allgather_object({"rank": r, "pad": "x" * (3 * r + 1)})
+            res["helpers_chunked_allgather_object"] = [[g["rank"], len(g["pad"])] for g in got]
             res["helpers_chunked_broadcast_calls"] = calls
         finally:
             hvd.BROADCAST_CHUNK_BYTES, hvd._comm = chunk, comm
