@@ -679,6 +679,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     plan = bucketing.plan_buckets(trainable, scope=scope, bucket_cap_mb=bucket_cap_mb,
                                   groups=groups, min_sparse_numel=min_sparse_numel,
                                   max_bucket_numel=max_bucket_numel)
+    if _sends_everything(config):
+        for b in plan:  # Horovod's allreduce from the first step: no allgather, no
+            b.sparse = False  # calibration, and hvd.join() works as Horovod's
     transport = make_transport(transport, process_set)
 
     base = type(optimizer)
@@ -699,6 +702,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                      process_set=process_set)
     _LIVE.add(wrapped)
     return wrapped
+
+
+def _sends_everything(c) -> bool:
+    """Does the configuration leave every gradient as it is (Top-K or random-k of every entry,
+    both ways, gradients exchanged, no velocity or clip)? Then the exchange is Horovod's."""
+    whole = ("topk", "randomk")
+    return (c.density >= 1 and c.downlink_density >= 1 and not c.exchanges_updates
+            and c.sparsifier.name in whole and c.downlink_sparsifier.name in whole
+            and not c.momentum_correction and c.local_clip_norm is None)
 
 
 def join_blockers() -> list:

@@ -85,6 +85,10 @@ def test_join_is_refused_clearly_with_sparse_buckets_and_works_dense(parity):
         ours, theirs = r["join"]["uneven-small-hvd_sparse"], r["join"]["uneven-small-horovod"]
         assert "returned" in ours, ours
         assert ours["params"] == theirs["params"]
+        ours = r["join"]["uneven-small-hvd_sparse-wide"]
+        theirs = r["join"]["uneven-small-horovod-wide"]
+        assert "returned" in ours, ours  # density 1: Horovod's allreduce, Horovod's join
+        assert ours["params"] == theirs["params"]
 
 
 def test_weights_reloaded_and_broadcast_stand_under_exchanged_updates(parity):

@@ -297,10 +297,17 @@ def scenario_join(res):
     # crashed the job here
     import horovod.torch as horovod
 
-    for name, wrap in (("horovod", horovod.DistributedOptimizer),
-                       ("hvd_sparse", hvd.DistributedOptimizer)):
+    # (and a layer of 1,536 entries at density 1: every gradient sent whole, Horovod's
+    # allreduce from the first step, where the cost model's calibration refused the join)
+    for name, wrap, width in (
+            ("horovod", horovod.DistributedOptimizer, 8),
+            ("hvd_sparse", hvd.DistributedOptimizer, 8),
+            ("horovod-wide", horovod.DistributedOptimizer, 96),
+            ("hvd_sparse-wide", lambda o, **kw: hvd.DistributedOptimizer(o, density=1.0, **kw),
+             96)):
         torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        m = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(),
+                                torch.nn.Linear(width, 4))
         opt = wrap(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
         torch.manual_seed(7 + hvd.rank())
         for _ in range(3 if hvd.rank() == 0 else 0):
