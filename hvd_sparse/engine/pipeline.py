@@ -125,6 +125,7 @@ class Engine:
     def __init__(self, config: EngineConfig, buckets, transport):
         self.config = config
         self.buckets = list(buckets)
+        self.any_sparse = any(b.sparse for b in self.buckets)  # fixed by the plan
         self.transport = transport
         # Backward produces gradients last layer first: launching in that order lets an
         # order-matched transport start early buckets while backward is still running.
@@ -484,7 +485,7 @@ class Engine:
         bucket, anchors of exchanged updates)? Without, the exchange is Horovod's allreduce
         on ``p.grad`` alone: no agreement, no calibration, and ``hvd.join()`` works as
         Horovod's (their allgathers crashed a rank that joined early with a small model)."""
-        return self.config.exchanges_updates or any(b.sparse for b in self.buckets)
+        return self.config.exchanges_updates or self.any_sparse
 
     def join_blockers(self) -> List[str]:
         """The buckets whose next exchange is not an allreduce (a sparse allgather or
@@ -1659,7 +1660,7 @@ class Engine:
         self.steps += 1
         self._steps_here += 1
         self._consolidated.clear()
-        if c.cost_model == "time" and size > 1 and any(b.sparse for b in self.buckets) and (
+        if c.cost_model == "time" and size > 1 and self.any_sparse and (
                 self.steps == self.calibration_step()
                 or (c.recalibrate_every and self.calibrated_at is not None
                     and self.steps - self.calibrated_at >= c.recalibrate_every)
