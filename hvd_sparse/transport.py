@@ -225,14 +225,21 @@ class MPITransport(Transport):
         else:  # CUDA-aware MPI reads device memory: the kernels that wrote it must be done
             torch.cuda.current_stream(work.device).synchronize()
             bufs = [work, out]
-        req = self.comm.Iallreduce([bufs[0], mpi_type], [bufs[1], mpi_type], op=MPI.SUM)
+        # MPI's counts are C ints: past 2**31 - 1 elements the sum goes in pieces
+        n, step = work.numel(), ALLREDUCE_CHUNK
+        req = [self.comm.Iallreduce([bufs[0][lo:lo + step], mpi_type],
+                                    [bufs[1][lo:lo + step], mpi_type], op=MPI.SUM)
+               for lo in range(0, max(n, 1), step)]
         scale = postscale / self.size() if average else postscale
         return ("reduce", req, out, (work, scale), wire_dtype, tensor.device)
 
     def wait(self, handle):
         """Complete a collective; returns the gathered bytes (as the payload's dtype) or the sum."""
         kind, req, out, keep, dtype, device = handle
-        req.Wait()
+        if isinstance(req, list):
+            self.MPI.Request.Waitall(req)
+        else:
+            req.Wait()
         if kind == "gather":
             result = out.view(dtype)
         else:
@@ -244,6 +251,7 @@ class MPITransport(Transport):
 
 
 INT_MAX = 2**31 - 1
+ALLREDUCE_CHUNK = 1 << 30  # elements per Iallreduce of the mpi4py transport
 
 
 def gatherv_layout(counts):

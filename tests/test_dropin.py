@@ -172,7 +172,8 @@ def test_tensor_helpers_around_the_optimizer(dropin):
 def test_mpi_broadcasts_in_chunks(dropin):
     """hvd_sparse.mpi's broadcast_, broadcast_object and allgather_object cut their bytes into
     chunks (MPI's int counts end at 2 GiB; one mpi4py bcast of AdamW's state over 268M
-    parameters failed): with 5-byte chunks, every object and tensor arrives whole."""
+    parameters failed): with 5-byte chunks, every object and tensor arrives whole; the mpi4py
+    transport's allreduce likewise sums in pieces of at most ALLREDUCE_CHUNK elements."""
     n = len(dropin)
     if "helpers_chunked_broadcast_" not in dropin[0]:
         pytest.skip("Horovod's own broadcasts: the chunking is hvd_sparse.mpi's")
@@ -182,3 +183,6 @@ def test_mpi_broadcasts_in_chunks(dropin):
         assert r["helpers_chunked_allgather_object"] == [[i, 3 * i + 1] for i in range(n)]
         calls = r["helpers_chunked_broadcast_calls"]
         assert len(calls) > 37 * 4 // 5 and max(calls) == 5
+        total = sum(range(1, n + 1))
+        assert r["helpers_chunked_allreduce"] == [float(i * total) for i in range(10)]
+        assert r["helpers_chunked_allreduce_avg"] == [i * total / n for i in range(10)]

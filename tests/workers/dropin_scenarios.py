@@ -515,6 +515,15 @@ def scenario_collective_helpers(res):
             res["helpers_chunked_broadcast_calls"] = calls
         finally:
             hvd.BROADCAST_CHUNK_BYTES, hvd._comm = chunk, comm
+        # the transport's sums in pieces too (C int counts end at 2**31 - 1 elements)
+        from hvd_sparse import transport as tr
+        piece, tr.ALLREDUCE_CHUNK = tr.ALLREDUCE_CHUNK, 3
+        try:
+            t = torch.arange(10, dtype=torch.float32) * (r + 1)
+            res["helpers_chunked_allreduce"] = hvd.allreduce(t, op=hvd.Sum).tolist()
+            res["helpers_chunked_allreduce_avg"] = hvd.allreduce(t).tolist()
+        finally:
+            tr.ALLREDUCE_CHUNK = piece
 
 
 SCENARIOS = [scenario_update_exchange, scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
