@@ -49,7 +49,7 @@ def runs(args):
                                         "--collective", "allgather",
                                         "--density-warmup-steps", warm],
         # the density cool-down over the last 10% of the run (an option: it cost the ResNet
-        # accuracy on 2 of 3 seeds, README)
+        # accuracy on 2 of 3 seeds, docs/results.md)
         "fashion/topk-1%-cooldown": fm + ["--density", "0.01", "--cost-model", "off",
                                           "--collective", "allgather",
                                           "--density-cooldown-steps", warm],

@@ -144,7 +144,7 @@ def resolve_scope(scope: str, density, sparsifier) -> str:
 
     Why: below 1% a layer-wise selection leaves each tensor a thousandth of its entries or
     fewer, and one global selection (Shi et al., 2019) ended better on every model measured
-    at 0.1% (README "Convergence", twenty-third session): with the library's defaults the
+    at 0.1% (docs/results.md "Convergence", twenty-third session): with the library's defaults the
     char-LSTM +14.3% against +17.8% and the Transformer +6.4% against +7.4% (300 steps); with
     the training CLI's, the char-LSTM +4.1 / +3.8% against +5.3%, the held-out GRU
     +5.1 / +5.1 / +5.6% against +6.3%, the held-out TCN +1.5 / +1.6% against +8.9%, the

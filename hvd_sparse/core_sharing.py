@@ -7,7 +7,7 @@ takes the core from the computing one, and each collective then waits for the sl
 delayed compute. Open MPI yields by itself only when it was launched with more ranks than slots;
 it does not count threads. On the 2-core development machine (2 ranks, 1 Gbit/s shaped link,
 mlp11m, default Top-K 1%) the step took 178-186 ms with yielding against 188-220 ms without
-(3 interleaved runs each; README).
+(3 interleaved runs each; docs/results.md).
 
 :func:`prepare` runs before MPI starts (from ``hvd_sparse.init`` and ``hvd_sparse.mpi.init``)
 and sets ``OMPI_MCA_mpi_yield_when_idle=1`` only where the rank's share of cores is below the

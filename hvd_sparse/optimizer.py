@@ -504,7 +504,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     Sparse options: ``density`` (uplink fraction kept per bucket), ``bidirectional`` (re-sparsify
     the aggregate on every rank, with a replicated residual; ``None``, the default: where
     gradients are exchanged, not where each step's weight update is, ``exchange="update"``,
-    whose runs ended better without it: benchmarks/convergence.py, README), ``downlink_density`` (``None``: same
+    whose runs ended better without it: benchmarks/convergence.py, docs/results.md), ``downlink_density`` (``None``: same
     as ``density``), ``sparsifier`` (name or :class:`hvd_sparse.Sparsifier`), ``scope``
     (``"tensor"``, ``"model"`` or ``"bucket"`` with ``bucket_cap_mb``; ``"auto"``, the
     default: ``"model"`` for Top-K below 1% density, where one global selection ended better
@@ -536,7 +536,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     and where weight updates are exchanged ``momentum_masking`` (the wrapped optimizer's
     ``momentum_buffer``, SGD's, zeroed at the positions this rank sent with ``True``, scaled
     by ``1 - s`` with a strength ``s`` in [0, 1]; with it the density cool-down helps
-    exchanged updates: README "Convergence"; the training CLI uses 0.5).
+    exchanged updates: docs/results.md "Convergence"; the training CLI uses 0.5).
     ``local_steps`` > 1 is SBC's communication delay: that many local steps, then the accumulated
     weight update is exchanged instead of gradients. ``exchange="update"`` does that every step:
     each rank steps the wrapped optimizer on its own gradient and the weight change is sparsified

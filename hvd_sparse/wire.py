@@ -164,7 +164,7 @@ def decode_one(buf: torch.Tensor, offset: int, read, numel: int = 2**62, known=N
     if magic != MAGIC or version != VERSION or vcode not in _VALUE_DTYPES \
             or icode not in (0, 1, GOLOMB) or count < 0:
         hint = ("; zeros where a payload belongs come from a rank inside hvd.join(), which "
-                "Horovod's allgather cannot stand in for: see the README's notes on join"
+                "Horovod's allgather cannot stand in for: see docs/robustness.md on join"
                 if magic == 0 and version == 0 else "")
         raise PayloadError(f"not an hvd_sparse payload at byte {offset} "
                            f"(magic {magic:#x}, version {version}){hint}")

@@ -1737,7 +1737,7 @@ class Engine:
         # every step, and where the transport fuses allreduces (Horovod) a bucket joining them
         # pays its bytes but no latency of its own: pricing that latency sent a ResNet's 147 kB
         # layer sparse, into a collective of its own, and its step was 9% slower than dense
-        # Horovod's (README)
+        # Horovod's (docs/results.md)
         fused = by == "reduce" and self.transport.fuses_allreduces \
             and any(not b.sparse for b in self.buckets)
         ratio = c.downlink_density / c.density

@@ -202,7 +202,7 @@ def warmup_share(density: float, total_steps: int) -> int:
 def exchange_defaults(args, base) -> None:
     """Fill ``--exchange``, ``--bidirectional``, ``--density-warmup-steps``,
     ``--momentum-masking`` and ``--density-cooldown-steps`` where not given, from the
-    convergence study (README, "Convergence"); each stays overridable.
+    convergence study (docs/results.md, "Convergence"); each stays overridable.
 
     * Adaptive optimizers (AdamW here; the library's ``exchange="auto"`` already exchanges their
       updates): no downlink re-sparsification (with the allgather every rank receives every
@@ -223,7 +223,7 @@ def exchange_defaults(args, base) -> None:
       +15.2% without, the latter knocked off course early) but cost below it (GRU at 0.2:
       +6.0% against +3.7%); half was at or near the better of the two in every case measured
       (GRU +2.8 / +2.0% at 0.3, +3.9% at 0.2; LSTM +1.2 / +1.8% against +1.4 / +2.0% with full
-      masking; ResNet -0.15 / -0.13 pt; README "Convergence"). Where a gradient lever is
+      masking; ResNet -0.15 / -0.13 pt; docs/results.md "Convergence"). Where a gradient lever is
       asked for
       (``--momentum-correction``) gradients stay, with the downlink selection.
 
