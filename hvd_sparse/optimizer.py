@@ -14,6 +14,7 @@ import os
 import warnings
 import weakref
 from contextlib import contextmanager
+from itertools import chain
 
 import torch
 
@@ -334,7 +335,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if engine.config.local_clip_norm is not None:
             engine.clip_gradients()
         # a non-finite gradient is not applied locally (the weights would never recover)
-        result = self._hs_base.step(self, closure) if engine.local_step_finite() else None
+        result, hooks = None, None
+        if engine.local_step_finite():
+            hooks = _StepHooks(self, self._hs_base.step, closure)
+            result = hooks.run()
         self._hs_reset_round()
         if engine.local_step_done() and self._hs_transport.included():
             try:
@@ -343,6 +347,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                     self._hs_mask_momentum(engine.take_sent())
             finally:
                 self._hs_reset_round()
+        if hooks is not None:  # after the exchange: they see the replicas' parameters
+            hooks.post()
         return result
 
     def _hs_mask_momentum(self, sent):
@@ -734,6 +740,45 @@ def _warn_step_after_synchronize():
                   "optimizer.synchronize(). This can cause training slowdown. You may want to "
                   "consider using optimizer.skip_synchronize() context if you use "
                   "optimizer.synchronize() in your code.")
+
+
+class _StepHooks:
+    """The wrapped class's step without torch's hook wrapper, its step pre- and post-hooks
+    fired by hand: where weight updates are exchanged the post-hooks must run after the
+    exchange (an EMA or a projection in one would otherwise see this rank's own, unexchanged
+    parameters, different on every rank), and the pre-hooks still before the local step."""
+
+    def __init__(self, opt, step, closure):
+        self.opt = opt
+        self.hooked = bool(getattr(step, "hooked", False))
+        self.step = step.__wrapped__ if self.hooked else step
+        self.args, self.kwargs = (opt,) if closure is None else (opt, closure), {}
+
+    def run(self):
+        if not self.hooked:
+            return self.step(*self.args, **self.kwargs)
+        from torch.optim import optimizer as torch_optimizer
+
+        for hook in chain(torch_optimizer._global_optimizer_pre_hooks.values(),
+                          self.opt._optimizer_step_pre_hooks.values()):
+            result = hook(self.opt, self.args, self.kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"{self.step} must return None or a tuple of "
+                                       f"(new_args, new_kwargs), but got {result}.")
+                self.args, self.kwargs = result
+        with torch.autograd.profiler.record_function(
+                f"Optimizer.step#{type(self.opt).__name__}.step"):
+            return self.step(*self.args, **self.kwargs)
+
+    def post(self):
+        if not self.hooked:
+            return
+        from torch.optim import optimizer as torch_optimizer
+
+        for hook in chain(self.opt._optimizer_step_post_hooks.values(),
+                          torch_optimizer._global_optimizer_post_hooks.values()):
+            hook(self.opt, self.args, self.kwargs)
 
 
 def _rebind_instance_step(wrapped, original) -> None:

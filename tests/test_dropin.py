@@ -125,6 +125,16 @@ def test_update_exchange_keeps_replicas_identical(dropin):
         assert r["update_adam_state_per_rank"]  # each rank's AdamW saw its own gradients
 
 
+@pytest.mark.parametrize("exchange", ["update", "gradient"])
+def test_step_hooks_fire_once_and_post_hooks_see_the_exchanged_parameters(dropin, exchange):
+    """An EMA or a weight constraint in a step post-hook works on the replicas' parameters:
+    with exchanged updates the post-hooks once ran before the exchange, on each rank's own."""
+    for r in dropin:
+        assert r[f"hooks_{exchange}_calls"] == ["global pre", "pre", "post", "global post"] * 6
+        assert r[f"hooks_{exchange}_post_saw_replicas"]
+        assert r[f"hooks_{exchange}_post_saw_result"]
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_non_contiguous_parameters_train_as_row_major_ones(dropin, optimizer):
     """channels_last and transposed parameters: gradients (SGD) and updates (AdamW) exchanged

@@ -338,6 +338,36 @@ def scenario_update_exchange(res):
     res["update_adam_state_per_rank"] = not same_everywhere(state)
 
 
+def scenario_step_hooks(res):
+    """Step pre- and post-hooks (the optimizer's own and torch's global ones) fire once per
+    step; the post-hooks see the exchanged parameters, identical on every rank, also where
+    weight updates are exchanged (an EMA kept in a post-hook, as timm's is)."""
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+
+    for exchange in ("update", "gradient"):
+        m = model()
+        opt = make(m, torch.optim.AdamW(m.parameters(), lr=1e-2), exchange=exchange)
+        hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+        calls, seen = [], []
+        opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+        opt.register_step_post_hook(lambda o, a, k: (calls.append("post"),
+                                                     seen.append(params(m).clone())))
+        handles = [register_optimizer_step_pre_hook(
+                       lambda o, a, k: calls.append("global pre") if o is opt else None),
+                   register_optimizer_step_post_hook(
+                       lambda o, a, k: calls.append("global post") if o is opt else None)]
+        try:
+            for i in range(6):
+                step(m, opt, i)
+        finally:
+            for h in handles:
+                h.remove()
+        res[f"hooks_{exchange}_calls"] = calls
+        res[f"hooks_{exchange}_post_saw_replicas"] = same_everywhere(torch.stack(seen))
+        res[f"hooks_{exchange}_post_saw_result"] = bool(torch.equal(seen[-1], params(m)))
+
+
 def _elementwise_step(ws, i, opt):
     """A loss whose gradient is exact whatever the parameters' memory layout:
     ``c + 0.01 w`` for each parameter, ``c`` this rank's and step's multiples of 1/8."""
@@ -526,7 +556,7 @@ def scenario_collective_helpers(res):
             tr.ALLREDUCE_CHUNK = piece
 
 
-SCENARIOS = [scenario_update_exchange, scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
+SCENARIOS = [scenario_update_exchange, scenario_step_hooks, scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
              scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
              scenario_sparse_embedding, scenario_memory_layouts, scenario_bfloat16_dense_tensor,
              scenario_step_with_closure, scenario_checkpoint_loads_weights_only,
