@@ -44,14 +44,17 @@ def join(device=-1):
     is allreduced (dense by the cost model, or no sparse bucket) it is Horovod's join."""
     from .optimizer import join_blockers
 
-    blocked = join_blockers()
+    blocked, gathers = join_blockers()
     if blocked:
         names = ", ".join(blocked[:3]) + (f" and {len(blocked) - 3} more" if len(blocked) > 3
                                           else "")
+        hint = ("; at 3 or more ranks deterministic_dense=True (the default) also gathers the "
+                "dense buckets: with deterministic_dense=False they are Horovod's allreduce"
+                if gathers else "")
         raise RuntimeError(
-            f"hvd.join() cannot serve hvd_sparse's sparse exchange (buckets {names} go by "
-            "allgather, which a joined rank cannot stand in for; Horovod would fail or hang): "
-            "give every rank the same number of steps (drop or repeat the last batches)")
+            f"hvd.join() cannot serve hvd_sparse's exchange (buckets {names} go by allgather, "
+            "which a joined rank cannot stand in for; Horovod would fail or hang): give every "
+            "rank the same number of steps (drop or repeat the last batches)" + hint)
     import horovod.torch as _hvd
     return _hvd.join(device)
 

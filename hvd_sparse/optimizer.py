@@ -719,20 +719,23 @@ def _sends_everything(c) -> bool:
             and not c.momentum_correction and c.local_clip_norm is None)
 
 
-def join_blockers() -> list:
+def join_blockers() -> tuple:
     """Bucket names of the live optimizers that would exchange other than by allreduce next
-    step (see :func:`hvd_sparse.join`); optimizers no longer referenced (in reference cycles)
-    are collected first."""
+    step (see :func:`hvd_sparse.join`), and whether one of those optimizers gathers its dense
+    buckets (``deterministic_dense`` at 3 or more ranks); optimizers no longer referenced (in
+    reference cycles) are collected first."""
     import gc
 
     gc.collect()
-    out = []
+    out, gathers = [], False
     for opt in list(_LIVE):
         if opt._hs_passthrough or not opt._hs_transport.included() \
                 or opt._hs_transport.size() == 1:
             continue
-        out += opt._hs_engine.join_blockers()
-    return out
+        blocked = opt._hs_engine.join_blockers()
+        out += blocked
+        gathers |= bool(blocked) and opt._hs_engine.dense_flavour() == "gather"
+    return out, gathers
 
 
 def _warn_step_after_synchronize():

@@ -893,3 +893,36 @@ def test_exchanged_updates_with_gradient_accumulation(midrun):
         for p, q in zip(m.parameters(), ref.parameters()):
             assert torch.allclose(p, q, rtol=0, atol=1e-6), step
     assert opt.communication_stats()["exchange"] == "update"
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_join_names_deterministic_dense_where_it_gathers_the_dense_buckets(deterministic):
+    """At 3 or more ranks ``deterministic_dense=True`` (the default) allgathers the dense
+    buckets, which a joined rank cannot stand in for: the refusal says so and names the
+    switch (it spoke of a sparse exchange where none was); with it off they are allreduced
+    and nothing blocks the join."""
+    import gc
+
+    import hvd_sparse
+    from hvd_sparse.optimizer import join_blockers
+
+    class Three(LocalTransport):
+        def size(self):
+            return 3
+
+    gc.collect()
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))  # small tensors only
+    opt = hvd_sparse.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+        density=0.1, check_config=False, transport=Three(), deterministic_dense=deterministic)
+    try:
+        blocked, gathers = join_blockers()
+        if not deterministic:
+            assert blocked == [] and not gathers
+            return
+        assert blocked and gathers
+        with pytest.raises(RuntimeError, match="deterministic_dense=False"):
+            hvd_sparse.join()
+    finally:
+        del opt
+        gc.collect()
