@@ -5,14 +5,20 @@ around the optimizer (``init``, ``rank``, ``size``, ``local_rank``, ``local_size
 ``cross_rank``, ``cross_size``, ``broadcast_parameters``, ``broadcast_optimizer_state``,
 ``allreduce``/``allreduce_``, ``broadcast``/``broadcast_``, ``allgather``, ``allgather_object``,
 ``broadcast_object``, ``Average``/``Sum``, ``Compression``) and a ``DistributedOptimizer`` that
-uses :class:`hvd_sparse.transport.MPITransport`. It never imports Horovod.
+uses :class:`hvd_sparse.transport.MPITransport`. It needs no Horovod (its reduction ops and
+compressors are used where it is installed). Objects are pickled with cloudpickle where it is
+installed (Horovod's choice: lambdas and local classes travel), else with pickle.
 """
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 import warnings
+
+try:
+    import cloudpickle as pickle
+except ImportError:  # pragma: no cover - depends on the installation
+    import pickle
 
 import torch
 
@@ -123,7 +129,7 @@ def broadcast_object(obj, root_rank=0, name=None):
     import numpy as np
 
     comm = _c()
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) \
+    data = pickle.dumps(obj) \
         if comm.Get_rank() == root_rank else b""
     size = comm.bcast(len(data), root=root_rank)
     buf = np.frombuffer(bytearray(data), dtype=np.uint8) if data \
@@ -138,7 +144,7 @@ def allgather_object(obj, name=None):
     import numpy as np
 
     comm = _c()
-    mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    mine = pickle.dumps(obj)
     sizes = comm.allgather(len(mine))
     out = []
     for root, size in enumerate(sizes):
@@ -149,25 +155,87 @@ def allgather_object(obj, name=None):
     return out
 
 
-def allreduce(tensor, op=None, name=None):
-    """Average (default) or sum of ``tensor`` over ranks; returns a new tensor."""
-    t = MPITransport(_c())
-    op = compat.Average if op is None else op
+def _reduce_op(op, average):
+    """Horovod's rule for its deprecated ``average`` beside ``op`` (same messages)."""
+    if op is not None:
+        if average is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of "
+                             "them.")
+    elif average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in "
+                      "v1.0", DeprecationWarning)
+        op = compat.Average if average else compat.Sum
+    else:
+        op = compat.Average
     if op != compat.Average and op != compat.Sum:
         raise ValueError(f"op={op!r}: hvd_sparse.mpi reduces with Average or Sum only")
-    out = t.wait(t.allreduce_async(tensor.detach(), name or "allreduce",
-                                   average=op == compat.Average))
-    return out.view(tensor.shape)
+    return op
 
 
-def allreduce_(tensor, op=None, name=None):
+def _global_only(process_set):
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise ValueError("hvd_sparse.mpi works on the global communicator only (process sets "
+                         "are Horovod's: pass init(comm=...) a sub-communicator instead)")
+
+
+def _sum(tensor, op, name, prescale, postscale):
+    """The reduction itself: floats through the transport; integers summed exactly, their
+    average truncated toward zero as Horovod's (its scale by 1/size cast back to the type)."""
+    t = MPITransport(_c())
+    if tensor.dtype.is_floating_point:
+        out = t.wait(t.allreduce_async(tensor, name, average=op == compat.Average,
+                                       prescale=prescale, postscale=postscale))
+        return out.view(tensor.shape)
+    if prescale != 1.0 or postscale != 1.0:
+        raise ValueError("prescale_factor and postscale_factor need a floating-point tensor")
+    from mpi4py import MPI
+
+    src = tensor.detach().cpu().contiguous()
+    wide = src.to(torch.int64) if src.dtype != torch.int64 else src
+    out = torch.empty_like(wide)
+    _c().Allreduce([wide.numpy(), MPI.INT64_T], [out.numpy(), MPI.INT64_T], op=MPI.SUM)
+    if op == compat.Average:
+        out = torch.div(out, size(), rounding_mode="trunc")
+    return out.to(dtype=tensor.dtype, device=tensor.device).view(tensor.shape)
+
+
+class _Allreduce(torch.autograd.Function):
+    """Differentiable as Horovod's: the gradient is reduced the same way."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, name, prescale, postscale):
+        ctx.args = (op, prescale, postscale)
+        return _sum(tensor.detach(), op, name, prescale, postscale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, prescale, postscale = ctx.args
+        return _Allreduce.apply(grad, op, "allreduce.grad", prescale, postscale), \
+            None, None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=compat.Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+    """Average (default) or sum of ``tensor`` over ranks, a new tensor, with Horovod's
+    arguments (``average`` deprecated there too) and its gradient."""
+    _global_only(process_set)
+    op = _reduce_op(op, average)
+    packed, ctx = compression.compress(tensor)
+    out = _Allreduce.apply(packed, op, name or "allreduce", prescale_factor, postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=None):
     """:func:`allreduce` written into ``tensor`` (returned), as Horovod's in-place form."""
+    _global_only(process_set)
+    op = _reduce_op(op, average)
     with torch.no_grad():
-        return tensor.copy_(allreduce(tensor, op=op, name=name))
+        return tensor.copy_(_sum(tensor.detach(), op, name or "allreduce", prescale_factor,
+                                 postscale_factor))
 
 
-def broadcast_(tensor, root_rank=0, name=None):
-    """Rank ``root_rank``'s ``tensor`` copied into ``tensor`` on every rank (returned)."""
+def _broadcast_into(tensor, root_rank):
     host = tensor.detach().cpu().contiguous().clone()
     if host.numel():
         _bcast_bytes(host.reshape(-1).view(torch.uint8).numpy(), root_rank)
@@ -175,33 +243,76 @@ def broadcast_(tensor, root_rank=0, name=None):
         return tensor.copy_(host.to(tensor.device))
 
 
-def broadcast(tensor, root_rank=0, name=None):
-    """A new tensor holding rank ``root_rank``'s ``tensor``."""
-    return broadcast_(tensor.detach().clone(), root_rank, name)
+def broadcast_(tensor, root_rank=0, name=None, process_set=None):
+    """Rank ``root_rank``'s ``tensor`` copied into ``tensor`` on every rank (returned)."""
+    _global_only(process_set)
+    return _broadcast_into(tensor, root_rank)
 
 
-def allgather(tensor, name=None):
-    """Concatenate every rank's tensor along dimension 0 (sizes may differ)."""
-    t = MPITransport(_c())
-    flat = t.wait(t.allgather_async(tensor.contiguous().reshape(-1), name or "allgather"))
-    return flat.view(-1, *tensor.shape[1:])
+class _Broadcast(torch.autograd.Function):
+    """Horovod's gradient: averaged over ranks, kept by the root alone."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank):
+        ctx.root_rank = root_rank
+        return _broadcast_into(tensor.detach().clone(), root_rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = allreduce(grad, op=compat.Average, name="broadcast.grad")
+        return (reduced if rank() == ctx.root_rank else reduced * 0), None
+
+
+def broadcast(tensor, root_rank=0, name=None, process_set=None):
+    """A new tensor holding rank ``root_rank``'s ``tensor`` (differentiable, as Horovod's)."""
+    _global_only(process_set)
+    return _Broadcast.apply(tensor, root_rank)
+
+
+class _Allgather(torch.autograd.Function):
+    """Horovod's gradient: the output's gradient averaged over ranks, this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, tensor, name):
+        t = MPITransport(_c())
+        src = tensor.detach().contiguous()
+        ctx.rows = src.shape[0] if src.dim() else 1
+        flat = t.wait(t.allgather_async(src.reshape(-1), name))
+        return flat.view(-1, *src.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = allreduce(grad, op=compat.Average, name="allgather.grad")
+        rows = _c().allgather(ctx.rows)
+        return reduced.narrow(0, sum(rows[:rank()]), ctx.rows), None
+
+
+def allgather(tensor, name=None, process_set=None):
+    """Concatenate every rank's tensor along dimension 0 (sizes may differ; differentiable)."""
+    _global_only(process_set)
+    return _Allgather.apply(tensor, name or "allgather")
 
 
 def broadcast_parameters(params, root_rank=0):
-    """Copy rank ``root_rank``'s parameters (a state_dict or named parameters) to every rank."""
-    items = params.items() if isinstance(params, dict) else params
-    comm = _c()
+    """Copy rank ``root_rank``'s parameters to every rank, as Horovod's: a dict (a state_dict,
+    taken in sorted key order) or a list of tensors or of (name, tensor) pairs, in its order
+    (any other iterable, e.g. ``named_parameters()``, is taken as such a list)."""
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    else:
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
     with torch.no_grad():
-        for _, p in sorted(items, key=lambda kv: kv[0]):
-            if not isinstance(p, torch.Tensor):
-                continue
-            broadcast_(p, root_rank)
+        for _, p in items:
+            if isinstance(p, torch.Tensor):
+                _broadcast_into(p, root_rank)
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0):
+def broadcast_optimizer_state(optimizer, root_rank=0, model=None):
     """Give every rank rank ``root_rank``'s optimizer state and hyper-parameters; for an
     hvd_sparse optimizer, also its replicated state (downlink residuals, counters), taken before
-    the next exchange. Each rank keeps its own uplink residuals. Call it on every rank."""
+    the next exchange. Each rank keeps its own uplink residuals. Call it on every rank.
+    ``model`` is accepted for Horovod's signature (its sparse embeddings need nothing here:
+    the state travels whole, so a fresh optimizer needs no initialising step either)."""
     with warnings.catch_warnings():  # the state dict read here is not a checkpoint
         warnings.simplefilter("ignore", ShardedStateWarning)
         sd = optimizer.state_dict()
@@ -212,7 +323,8 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
         engine.request_agreement(root_rank)
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, **kwargs):
-    """:func:`hvd_sparse.DistributedOptimizer` over mpi4py (see its documentation)."""
+def DistributedOptimizer(optimizer, named_parameters=None, *args, **kwargs):
+    """:func:`hvd_sparse.DistributedOptimizer` over mpi4py (see its documentation; Horovod's
+    arguments may come by position, as there)."""
     kwargs.setdefault("transport", MPITransport(_c()))
-    return _DistributedOptimizer(optimizer, named_parameters, **kwargs)
+    return _DistributedOptimizer(optimizer, named_parameters, *args, **kwargs)

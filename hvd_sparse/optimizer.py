@@ -261,8 +261,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         if self._hs_passthrough:  # Horovod's average over one rank: the gradient itself
-            self._hs_fill_missing_grads()
-            self._synchronized = True
+            self._synchronized = True  # (a missing one stays missing: no hooks, as there)
             return
         if self._hs_engine.config.exchanges_updates:
             # the exchange is of the update, in step(); gradients stay this rank's own. What

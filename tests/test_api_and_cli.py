@@ -52,11 +52,12 @@ import hvd_sparse as hvd
 hvd.init()
 torch.manual_seed(0)
 m, ref = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+m.unused, ref.unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
 ref.load_state_dict(m.state_dict())
-opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.1),
                                named_parameters=m.named_parameters(), density=0.01,
                                min_sparse_numel=0)
-base = torch.optim.SGD(ref.parameters(), lr=0.1)
+base = torch.optim.SGD(ref.parameters(), lr=0.1, weight_decay=0.1)
 out = {"size": hvd.size()}
 for step in range(3):
     x = torch.randn(8, 64)
@@ -71,13 +72,16 @@ for step in range(3):
     opt.step()
     base.step()
 out["equal"] = all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
+# a parameter with no gradient keeps none, and so no weight decay, as under Horovod
+out["unused"] = [m.unused.grad is None, m.unused.tolist()]
 print(json.dumps(out))
 """
 
 
 def test_one_process_under_horovod_is_the_wrapped_optimizer(mpi_available):
     """As Horovod's: at size 1 (not elastic) no hooks, hence no guards, and the step is the
-    wrapped optimizer's own (an average over one rank)."""
+    wrapped optimizer's own (an average over one rank): a parameter without a gradient keeps
+    none (it was given a zero one, and weight decay moved it)."""
     import subprocess
     import sys
 
@@ -85,7 +89,7 @@ def test_one_process_under_horovod_is_the_wrapped_optimizer(mpi_available):
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"size": 1, "equal": True}
+    assert out == {"size": 1, "equal": True, "unused": [True, [1.0, 1.0, 1.0]]}
 
 
 @pytest.mark.multirank

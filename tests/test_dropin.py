@@ -179,6 +179,32 @@ def test_tensor_helpers_around_the_optimizer(dropin):
     assert dropin[0]["helpers_rank0_alone"] == [n, 1, 0]
 
 
+def test_collective_helpers_take_horovods_calls(dropin):
+    """What Horovod's own tests call, answered as Horovod answers it (under Horovod these are
+    its functions, the reference; under hvd_sparse.mpi they are ours): ``average=False``,
+    integer sums and truncated averages, gradients through allreduce, allgather and broadcast,
+    a plain list of tensors to broadcast_parameters, a lambda as an object, Horovod's
+    optimizer arguments by position."""
+    n = len(dropin)
+    total = n * (n + 1) // 2
+    for r in dropin:
+        assert r["helpers_average_false"] == [float(total)]
+        assert r["helpers_int_sum"] == [[total, 7 * total], "torch.int32"]
+        assert r["helpers_int_average"] == [int(total / n), int(7 * total / n)]
+        assert r["helpers_allreduce_grad"] == [0.0, float(n), 2.0 * n]
+        rank = r["rank"]
+        offset = rank * (rank + 1) // 2  # rows of the ranks before this one
+        weights = [(offset + i + 1) for i in range(rank + 1)]
+        assert r["helpers_allgather_grad"][0] == [total, 2]
+        # Horovod's allgather gradient: the output's gradient averaged over ranks, own rows
+        assert r["helpers_allgather_grad"][1] == [[float(w)] * 2 for w in weights]
+        assert r["helpers_broadcast_grad"] == ([3.0, 3.0] if rank == 0 else [0.0, 0.0])
+        assert r["helpers_broadcast_parameter_list"] == [[float(n - 1)] * 2,
+                                                         [10.0 + n - 1] * 3]
+        assert r["helpers_broadcast_lambda"] == 2 * (3 + n - 1)
+        assert r["helpers_positional_options"] == 1
+
+
 def test_mpi_broadcasts_in_chunks(dropin):
     """hvd_sparse.mpi's broadcast_, broadcast_object and allgather_object cut their bytes into
     chunks (MPI's int counts end at 2 GiB; one mpi4py bcast of AdamW's state over 268M

@@ -520,6 +520,37 @@ def scenario_collective_helpers(res):
         res["helpers_rank0_alone"] = [hvd.local_size(), hvd.cross_size(), hvd.local_rank()]
     res["helpers_allreduce_parameter"] = hvd.allreduce(
         torch.nn.Parameter(torch.full((2,), float(r)))).tolist()
+    # Horovod's calls as its own tests make them: the deprecated average=, integer tensors,
+    # gradients through the collectives, plain parameter lists, objects cloudpickle carries
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        res["helpers_average_false"] = hvd.allreduce(torch.tensor([float(r + 1)]),
+                                                     average=False).tolist()
+    ints = torch.tensor([r + 1, 7 * (r + 1)], dtype=torch.int32)
+    res["helpers_int_sum"] = [hvd.allreduce(ints, op=hvd.Sum).tolist(),
+                              str(hvd.allreduce(ints, op=hvd.Sum).dtype)]
+    res["helpers_int_average"] = hvd.allreduce(ints.long()).tolist()
+    x = torch.full((3,), float(r + 1), requires_grad=True)
+    (hvd.allreduce(x, op=hvd.Sum) * torch.arange(3.0)).sum().backward()
+    res["helpers_allreduce_grad"] = x.grad.tolist()
+    x = torch.full((r + 1, 2), float(r), requires_grad=True)
+    gathered = hvd.allgather(x)
+    (gathered * (1 + torch.arange(gathered.shape[0], dtype=torch.float32)[:, None])).sum() \
+        .backward()
+    res["helpers_allgather_grad"] = [list(gathered.shape), x.grad.tolist()]
+    x = torch.full((2,), float(r), requires_grad=True)
+    (hvd.broadcast(x, root_rank=0) * 3).sum().backward()
+    res["helpers_broadcast_grad"] = x.grad.tolist()
+    plain = [torch.full((2,), float(r)), torch.full((3,), 10.0 + r)]
+    hvd.broadcast_parameters(plain, root_rank=n - 1)
+    res["helpers_broadcast_parameter_list"] = [t.tolist() for t in plain]
+    scale = 3 + r
+    res["helpers_broadcast_lambda"] = hvd.broadcast_object(lambda v: v * scale,
+                                                           root_rank=n - 1)(2)
+    m = torch.nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   m.named_parameters(), hvd.Compression.none, 1)
+    res["helpers_positional_options"] = opt.backward_passes_per_step
     if BACKEND == "mpi":  # broadcasts in chunks (MPI's int counts end at 2 GiB): here of 5 bytes
         chunk, hvd.BROADCAST_CHUNK_BYTES = hvd.BROADCAST_CHUNK_BYTES, 5
         comm, calls = hvd._comm, []
