@@ -354,6 +354,11 @@ def test_downlink_selection_by_default_where_gradients_are_exchanged_only():
     assert stats(adam, bidirectional=True) == ("update", True)
     assert stats(sgd, bidirectional=False) == ("gradient", False)
     assert stats(sgd, local_steps=2) == ("update", True)  # SBC's delay keeps it
+    # the hard threshold's lambda is for one rank's accumulated gradient: an entry one rank
+    # sent arrives averaged (v / P < lambda) and the same lambda on the downlink held it back
+    assert stats(sgd, sparsifier="threshold", threshold=0.01) == ("gradient", False)
+    assert stats(sgd, sparsifier="threshold", threshold=0.01, bidirectional=True) \
+        == ("gradient", True)
     m = _net()
     opt = _wrap(m, adam(m.parameters()))
     opt.set_backward_passes_per_step(2)
@@ -926,3 +931,33 @@ def test_join_names_deterministic_dense_where_it_gathers_the_dense_buckets(deter
     finally:
         del opt
         gc.collect()
+
+
+@pytest.mark.parametrize("local_steps,warmup", [(4, 0), (1, 20)])
+def test_adaptive_topk_spends_its_budget_over_the_exchanges_it_makes(local_steps, warmup):
+    """``total_steps`` counts optimizer steps; adaptive Top-K selects once per exchange, one
+    per ``local_steps`` of them and none in a dense warm-up. Planned over optimizer steps, the
+    last exchanges still saw most of the run ahead: the budget was never spent to its end
+    (nor capped there), the quiet and loud steps' k chosen against the wrong horizon."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(200, 100, bias=False)
+    total = 80
+    opt = _wrap(m, density=0.01, sparsifier="adaptive", total_steps=total,
+                sparsifier_options={"gamma": 2.0},
+                local_steps=local_steps, dense_warmup_steps=warmup, scope="tensor",
+                check_config=False)
+    n, picked = m.weight.numel(), []
+    g = torch.Generator().manual_seed(1)
+    for step in range(total):
+        opt.zero_grad()
+        loud = 30.0 if step % 12 < 3 else 1.0  # the signal adaptive k follows
+        (loud * (m(torch.randn(8, 200, generator=g)) - torch.randn(8, 100, generator=g))) \
+            .pow(2).mean().backward()
+        opt.step()
+        s = opt.communication_stats()
+        if s["steps"] > len(picked) and step >= warmup:
+            picked.append(s["selected"])
+    exchanges = (total - warmup) // local_steps
+    budget = 0.01 * n * exchanges
+    assert len(picked) == exchanges
+    assert 0.97 * budget <= sum(picked) <= budget + 1

@@ -218,7 +218,15 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         if value is not None:
             method_options[key] = value
     if total_steps is not None and _takes(sparsifier, "total_steps"):
-        method_options["total_steps"] = total_steps  # adaptive plans its budget over the run
+        # adaptive plans its budget over the run's exchanges, the selections it makes: one per
+        # local_steps optimizer steps, none in a dense warm-up (counted in optimizer steps,
+        # its budget went unplanned, most of it under SBC's communication delay)
+        exchanges = total_steps
+        if all(isinstance(v, int) and not isinstance(v, bool)  # else errors below
+               for v in (total_steps, dense_warmup_steps, local_steps)) and local_steps > 0:
+            sparse_steps = max(1, total_steps - max(0, dense_warmup_steps))
+            exchanges = -(-sparse_steps // local_steps)
+        method_options["total_steps"] = exchanges
     up = make_sparsifier(sparsifier, **method_options)
     # The downlink gets its own instance: a stateful method keeps separate state per direction.
     down = copy.deepcopy(up)
