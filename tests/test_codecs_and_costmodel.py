@@ -106,13 +106,12 @@ def _step(m, opt):
 def test_time_cost_model_decides_from_the_agreed_figures(monkeypatch, fast):
     from hvd_sparse.engine import calibration
 
-    mib4 = 4 << 20
-    if fast == "reduce":  # allreduce 100 us + 10 GB/s, allgather 50 ms latency: dense wins
-        link = [0.05, 0.05 + 2 * mib4 / 1e8, 1e-4, 1e-4 + mib4 / 1e10]
-    else:  # allreduce costs a second: sparse wins
-        link = [1e-4, 1e-4 + 2 * mib4 / 1e10, 1.0, 1.0 + mib4 / 1e6]
-    monkeypatch.setattr(calibration, "measure_link",
-                        lambda transport, device, large_bytes: list(link))
+    def link(transport, device, large):  # times at the probe's large size
+        if fast == "reduce":  # allreduce 100 us + 10 GB/s, allgather 50 ms latency: dense wins
+            return [0.05, 0.05 + 2 * large / 1e8, 1e-4, 1e-4 + large / 1e10]
+        return [1e-4, 1e-4 + 2 * large / 1e10, 1.0, 1.0 + large / 1e6]  # sparse wins
+
+    monkeypatch.setattr(calibration, "measure_link", link)
     torch.manual_seed(0)
     m = torch.nn.Linear(100, 50)
     opt = _echo_optimizer(m)
@@ -121,7 +120,9 @@ def test_time_cost_model_decides_from_the_agreed_figures(monkeypatch, fast):
     report = opt.communication_stats()["cost_model"]
     assert report["calibrated_at_step"] == 1
     # the link probes' bytes, counted apart from the steps' exchanges
-    assert opt.communication_stats()["totals"]["calibration_bytes"] > 4 << 20
+    # (probes no larger than the model's largest bucket, 64 KiB at least)
+    assert opt.communication_stats()["totals"]["calibration_bytes"] \
+        == calibration.probe_bytes(64 << 10)
     want = "dense" if fast == "reduce" else "sparse"
     assert {b["mode"] for b in report["buckets"].values()} == {want}
     s = opt.communication_stats()
@@ -133,12 +134,13 @@ def test_time_cost_model_decides_from_the_agreed_figures(monkeypatch, fast):
 
 
 @pytest.mark.parametrize("largest,expect_large", [(36 << 20, 16 << 20), (8 << 20, 8 << 20),
-                                                  (1 << 10, 4 << 20)])
+                                                  (1 << 20, 1 << 20), (1 << 10, 64 << 10)])
 def test_calibration_grows_the_transfer_past_a_cycle_locked_latency(monkeypatch, largest,
                                                                     expect_large):
     """Collectives that start on a 5 ms cycle time back to back at a whole cycle until the
     transfer outlasts it: the large size grows (up to the largest bucket) until its time
-    dominates, so the fitted bandwidth is the link's, not an unbounded one."""
+    dominates, so the fitted bandwidth is the link's, not an unbounded one; it starts no
+    larger than the largest bucket."""
     from hvd_sparse import costmodel
     from hvd_sparse.engine import calibration
 
@@ -152,14 +154,17 @@ def test_calibration_grows_the_transfer_past_a_cycle_locked_latency(monkeypatch,
 
     monkeypatch.setattr(calibration, "measure_link", locked)
     times, large, sent = calibration.agreed_link(_EchoTransport(), "cpu", largest)
-    assert large == expect_large and sizes[-1] == large and sizes[0] == 4 << 20
+    # no probe larger than the largest bucket (64 KiB at least): a small model's probes
+    # were 4 MiB, more bytes than its whole training run sent
+    assert large == expect_large and sizes[-1] == large
+    assert sizes[0] == min(4 << 20, max(64 << 10, largest))
     assert sent == sum(calibration.probe_bytes(s) for s in sizes)  # every probe counted
     link = calibration.link_from(times, 2, large)
     if large == 16 << 20:  # the transfer dominates: the bandwidth is the link's, near enough
         assert 0.5 * rate < link.reduce_bandwidth_Bps < 2 * rate
         assert costmodel.dense_time(36 << 20, 2, link) > 0.02  # not one cycle
     else:  # stopped at the largest bucket: what that size costs is what the model sees
-        bucket = max(largest, 4 << 20)
+        bucket = large
         assert costmodel.dense_time(bucket, 2, link) == pytest.approx(times[3], rel=1e-6)
 
 
@@ -226,12 +231,10 @@ def test_dense_bucket_joining_an_allreduce_pays_no_latency(monkeypatch, always_d
     the sparse path's measured compute, so a loaded machine cannot change the choice)."""
     from hvd_sparse.engine import calibration
 
-    mib4 = 4 << 20
     weight_bytes = 50 * 100 * 4
     bw = weight_bytes / 0.5
-    link = [1.0, 1.0 + 2 * mib4 / 1e12, 1.0, 1.0 + mib4 / bw]
-    monkeypatch.setattr(calibration, "measure_link",
-                        lambda transport, device, large_bytes: list(link))
+    monkeypatch.setattr(calibration, "measure_link", lambda transport, device, large: [
+        1.0, 1.0 + 2 * large / 1e12, 1.0, 1.0 + large / bw])
     torch.manual_seed(0)
     m = torch.nn.Linear(100, 50)  # weight 5,000 entries; bias 50
     opt = _echo_optimizer(m, min_sparse_numel=1000 if always_dense else 0)

@@ -5,7 +5,8 @@ at two sizes each; every rank then shares its figures and takes the element-wise
 all ranks decide from the same numbers. Collectives are started in the same order with the same
 names on every rank, at the same step.
 
-The large size grows (x4, up to the largest bucket) until its transfer takes at least
+The large size starts at 4 MiB, or at the largest bucket where that is smaller (nothing larger
+is ever priced), and grows (x4, up to the largest bucket) until its transfer takes at least
 ``DOMINATES`` times the small one. Below that the fixed cost hides the bandwidth: Horovod
 starts collectives on a cycle (5 ms in the training CLI), back-to-back timings lock onto it,
 and a 4 MiB allreduce on a fast link measured exactly one cycle, as did 64 bytes; the fit then
@@ -37,6 +38,9 @@ def _timed(fn, reps):
 DOMINATES = 3.0
 #: the large size never grows past this (nor past the largest bucket)
 MAX_LARGE_BYTES = 64 << 20
+#: nor starts below this: a model whose buckets are all smaller is priced at its own sizes
+#: (4 MiB probes were 33.5 MB per rank, 90% of a 31k-parameter GRU's whole dense run)
+MIN_LARGE_BYTES = 64 << 10
 
 
 #: timed repetitions of each probe (after one warm-up)
@@ -75,8 +79,8 @@ def agreed_link(transport, device, largest_bucket_bytes: int):
     """The agreed timings, the large size they were taken at and the probe bytes this rank
     sent: ``(times, large_bytes, sent)``. Every rank grows the size on the same agreed
     figures, so all stop together."""
-    cap = max(LARGE_BYTES, min(MAX_LARGE_BYTES, int(largest_bucket_bytes)))
-    large, sent = LARGE_BYTES, 0
+    cap = max(MIN_LARGE_BYTES, min(MAX_LARGE_BYTES, int(largest_bucket_bytes)))
+    large, sent = min(LARGE_BYTES, cap), 0
     while True:
         times = agree_max(transport, measure_link(transport, device, large),
                           f"hvd_sparse.calibrate.link.{large}")
