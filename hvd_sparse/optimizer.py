@@ -397,9 +397,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             # the library's own choice with gradient accumulation is Horovod's contract
             # (gradients), while nothing was exchanged yet; later, updates stay exchanged (the
             # accumulated gradient makes one local step, then the update goes out)
-            c = dataclasses.replace(
-                c, exchange="gradient", bidirectional=_downlink_by_default(c.sparsifier)
-                if self._hs_bidirectional_auto else c.bidirectional)
+            c = dataclasses.replace(c, exchange="gradient", bidirectional=True
+                                    if self._hs_bidirectional_auto else c.bidirectional)
         self.backward_passes_per_step = passes
         engine.config = dataclasses.replace(c, backward_passes_per_step=passes)
         for p in self._allreduce_delay:
@@ -510,9 +509,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     Sparse options: ``density`` (uplink fraction kept per bucket), ``bidirectional`` (re-sparsify
     the aggregate on every rank, with a replicated residual; ``None``, the default: where
     gradients are exchanged, not where each step's weight update is, ``exchange="update"``,
-    whose runs ended better without it: benchmarks/convergence.py, docs/results.md; nor for
-    the hard threshold, whose lambda is for one rank's accumulated gradient, not for the
-    average), ``downlink_density`` (``None``: same
+    whose runs ended better without it: benchmarks/convergence.py, docs/results.md), ``downlink_density`` (``None``: same
     as ``density``), ``sparsifier`` (name or :class:`hvd_sparse.Sparsifier`), ``scope``
     (``"tensor"``, ``"model"`` or ``"bucket"`` with ``bucket_cap_mb``; ``"auto"``, the
     default: ``"model"`` for Top-K below 1% density, where one global selection ended better
@@ -616,7 +613,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                                 density, op)
     bidirectional_auto = bidirectional is None
     if bidirectional_auto:
-        bidirectional = exchange != "update" and _downlink_by_default(sparsifier)
+        bidirectional = exchange != "update"
     config = build_config(
         op=op, gradient_predivide_factor=gradient_predivide_factor,
         backward_passes_per_step=backward_passes_per_step, compression=compression,
@@ -710,16 +707,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                      process_set=process_set)
     _LIVE.add(wrapped)
     return wrapped
-
-
-def _downlink_by_default(sparsifier) -> bool:
-    """Whether ``bidirectional=None`` re-selects exchanged gradients with this method (a name
-    or an instance)."""
-    from .sparsifiers import SPARSIFIERS
-
-    if isinstance(sparsifier, str):
-        sparsifier = SPARSIFIERS.get(sparsifier.lower())
-    return bool(getattr(sparsifier, "downlink_by_default", True))
 
 
 def _sends_everything(c) -> bool:

@@ -92,9 +92,6 @@ class Sparsifier:
     constant_value = False
     #: the method honours ``SelectionContext.layer_floor`` (a per-tensor floor in a bucket)
     supports_layer_floor = False
-    #: ``bidirectional=None`` re-selects the aggregate of exchanged gradients with this method
-    #: (False where the method's rule does not fit an average of P ranks' selections)
-    downlink_by_default = True
 
     def select(self, acc: torch.Tensor, density: float, ctx: SelectionContext) -> torch.Tensor:
         """Return int64 positions (ascending, unique) of the entries of ``acc`` to send."""

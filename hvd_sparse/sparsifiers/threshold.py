@@ -35,10 +35,6 @@ class HardThreshold(Sparsifier):
     """Select exactly the entries with ``|acc| >= threshold``; ``density`` is not used."""
 
     name = "threshold"
-    # Sahu et al. threshold each worker's accumulated gradient; the same lambda on the average
-    # of P ranks' selections holds back an entry one rank sent (v / P < lambda) until the
-    # others agree, so the downlink is off unless asked for
-    downlink_by_default = False
 
     def __init__(self, threshold: float):
         if not (threshold >= 0.0):
