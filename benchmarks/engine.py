@@ -271,7 +271,7 @@ def delta_paths(sizes, density, steps, rounds=6):
     engine, in interleaved rounds of ``steps`` timed steps (the first step of each round is
     untimed), so that the machine's drift hits both alike. Times include the wrapped SGD's
     step."""
-    from hvd_sparse.engine import pipeline
+    from hvd_sparse.engine import updates
 
     rows = []
     for n in sizes:
@@ -280,9 +280,9 @@ def delta_paths(sizes, density, steps, rounds=6):
         got = {"in_place": ([], []), "full_length": ([], [])}
         step = 0
         for _ in range(rounds):
-            for mode, share in (("in_place", pipeline.SPARSE_DELTA_SHARE),
+            for mode, share in (("in_place", updates.SPARSE_DELTA_SHARE),
                                 ("full_length", 10 ** 12)):
-                saved, pipeline.SPARSE_DELTA_SHARE = pipeline.SPARSE_DELTA_SHARE, share
+                saved, updates.SPARSE_DELTA_SHARE = updates.SPARSE_DELTA_SHARE, share
                 for i in range(steps + 1):
                     p.grad = grads[step % 3].clone()
                     step += 1
@@ -295,7 +295,7 @@ def delta_paths(sizes, density, steps, rounds=6):
                         got[mode][0].append(dt)
                         got[mode][1].append(sum(after[k] - before[k]
                                                 for k in ("aggregate", "write")))
-                pipeline.SPARSE_DELTA_SHARE = saved
+                updates.SPARSE_DELTA_SHARE = saved
         row = {"n": int(n), "ranks": 2, "density": density, "rounds": rounds}
         for mode, (step_s, stage_s) in got.items():
             row[mode] = {"step_s_median": float(np.median(step_s)),

@@ -62,16 +62,20 @@ def main():
     rows = [r for r in data["rows"] if r["model"] == "mlp11m" and r["rate"] != "-"]
     fits = {}
     for rate in sorted({r["rate"] for r in rows}):
-        dense = [r for r in rows if r["rate"] == rate and r["optimizer"] == "dense"]
+        # rows measured without a floor at their rank count cannot be fitted
+        dense = [r for r in rows if r["rate"] == rate and r["optimizer"] == "dense"
+                 and r.get("floor_s") is not None]
         if not dense:  # nothing to fit latency and bandwidth to at this rate
             continue
         # shared link: the link carries every rank's bytes (P x the per-rank ring volume)
         pts = [(2 * (r["ranks"] - 1), 2 * (r["ranks"] - 1) * 4 * r["parameters"],
                 max(r["step_s"] - r["floor_s"], 0.0)) for r in dense]
         a, b = fit(pts)
-        sparse = [r for r in rows if r["rate"] == rate and r["optimizer"] == "topk"]
+        sparse = [r for r in rows if r["rate"] == rate and r["optimizer"] == "topk"
+                  and r.get("floor_s") is not None]
         over = [max(r["step_s"] - r["floor_s"] - (r["ranks"] - 1) * a
-                    - r["ranks"] * (r["ranks"] - 1) * 8 * 0.01 * r["parameters"] / b, 0.0)
+                    - r["ranks"] * (r["ranks"] - 1) * 8 * r.get("density", 0.01)
+                    * r["parameters"] / b, 0.0)
                 for r in sparse]
         c = float(np.mean(over)) if over else 0.0
         fits[rate] = {"latency_s": a, "bandwidth_Bps": b, "sparse_overhead_s": c,
@@ -141,4 +145,8 @@ def main():
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

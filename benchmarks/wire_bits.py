@@ -69,4 +69,8 @@ def main(n=10_000_000, densities=(0.01, 0.001, 0.0001)):
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -156,7 +156,16 @@ def resolve_scope(scope: str, density, sparsifier) -> str:
         return scope
     low = isinstance(density, (int, float)) and not isinstance(density, bool) \
         and density < GLOBAL_TOPK_BELOW
-    return "model" if low and sparsifier == "topk" else "tensor"
+    return "model" if low and _is_topk(sparsifier) else "tensor"
+
+
+def _is_topk(sparsifier) -> bool:
+    """Top-K by name (any case) or by instance: ``TopK()`` chooses like ``"topk"``."""
+    from .sparsifiers import TopK
+
+    if isinstance(sparsifier, str):
+        return sparsifier.lower() == "topk"
+    return isinstance(sparsifier, TopK)
 
 
 def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str = "tensor",

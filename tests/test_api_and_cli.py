@@ -396,6 +396,9 @@ def test_library_scope_auto_is_global_for_topk_below_one_percent():
     assert sparse(density=0.01) == [1, 1]
     assert sparse(density=0.001, scope="tensor") == [1, 1]
     assert sparse(density=0.001, sparsifier="gaussiank") == [1, 1]
+    # Top-K named in any case or given as an instance chooses the same
+    assert sparse(density=0.001, sparsifier="TopK") == [2]
+    assert sparse(density=0.001, sparsifier=hvd_sparse.TopK()) == [2]
     # a checkpoint made per tensor (the default before) says how to load it
     def wrapped(**kw):
         return hvd_sparse.DistributedOptimizer(

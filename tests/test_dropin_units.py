@@ -713,7 +713,7 @@ def test_a_model_cast_after_wrapping_is_reported_once():
 
 @pytest.mark.parametrize("n", [1, 2, 9, 100, 2 ** 24 + 4, 51_200_000, 100_000_000])
 def test_probe_positions_stay_inside_the_parameter(n):
-    from hvd_sparse.engine.pipeline import probe_positions
+    from hvd_sparse.engine.updates import probe_positions
     got = probe_positions(n, 8)
     assert got.dtype == torch.long and int(got.min()) == 0 and int(got.max()) == n - 1
     assert got.numel() == min(n, 8) and bool((got[1:] > got[:-1]).all())

@@ -427,7 +427,7 @@ def test_unidirectional_weight_changes_land_in_the_anchor(scope, with_a_pass, on
     where the scan did not put them back at it. The three give the same bits, the parameters
     stand exactly at the new anchor, and they match the full-length path (the payloads summed
     in a zeroed buffer, then added to the anchor) up to the order of the float32 additions."""
-    from hvd_sparse.engine import pipeline
+    from hvd_sparse.engine import pipeline, updates
     from hvd_sparse.optimizer import STATE_KEY
 
     twins, full_writes = [], []
@@ -448,7 +448,7 @@ def test_unidirectional_weight_changes_land_in_the_anchor(scope, with_a_pass, on
     anchors = torch.cat(list(opt.state_dict()[STATE_KEY]["anchors"].values()))
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert torch.equal(params.sort().values, anchors.sort().values)
-    monkeypatch.setattr(pipeline, "SPARSE_DELTA_SHARE", 10 ** 12)  # always the full length
+    monkeypatch.setattr(updates, "SPARSE_DELTA_SHARE", 10 ** 12)  # always the full length
     full_writes.clear()
     full_model, _, _ = _run(4, **kw)
     assert max(full_writes) >= 12000

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from .. import costmodel, golomb
+from ..kernels import cpu
+from . import sharded
 
 SMALL_BYTES = 64
 LARGE_BYTES = 4 << 20
@@ -126,3 +128,134 @@ def measure_codec(density: float, count: int = CODEC_POSITIONS, reps: int = 3) -
     enc = _timed(lambda: golomb.encode_tensor(positions, b), reps)
     dec = _timed(lambda: golomb.decode(data, count, b), reps)
     return [enc / count, dec / count]
+
+
+class LinkPricing:
+    """The :class:`~hvd_sparse.engine.pipeline.Engine` methods of the time cost model: what
+    is measured per step, when it calibrates, and the per-bucket choices."""
+
+    def _note_wire(self, b, gathered_bytes, positions) -> None:
+        w = self._wire.setdefault(b.index, [0, 0, 0])
+        w[0] += gathered_bytes
+        w[1] += positions
+        w[2] += 1
+
+    def _at_target_density(self) -> bool:
+        """This step runs at the configured densities (not on the warm-up's or the
+        cool-down's schedule): only such steps are measured for the cost model. A step of the
+        density warm-up sends up to all of a bucket and costs as much; measured there (at the
+        third step, 83% at 1% over a 47-step warm-up), every bucket of the 11.4M MLP was
+        priced dense for the rest of the run at 1 Gbit/s."""
+        c = self.config
+        return self.densities() == (c.density, c.downlink_density)
+
+    def calibration_step(self) -> int:
+        """The step count at which the time cost model calibrates: after the dense warm-up
+        and the density warm-up, ``calibration_steps`` steps at the configured density."""
+        c = self.config
+        warm, tau = max(c.dense_warmup_steps, c.density_warmup_steps), c.local_steps
+        # the first exchange past the warm-ups (under local_steps, the first whose optimizer
+        # step, tau * (j + 1) - 1, reaches them)
+        first = warm if tau == 1 else max(0, -(-(warm + 1) // tau) - 1)
+        return first + c.calibration_steps
+
+    def calibrate(self) -> None:
+        """Time the link, agree on every measurement (maximum over ranks), then choose per
+        bucket from time (own compute + allgather against a dense allreduce): sparse or dense,
+        and under ``index_coding="auto"`` plain or Golomb-Rice positions (codec time against
+        the wire time the shorter positions save)."""
+        c = self.config
+        size = self.transport.size()
+        device = self.buckets[0].params[0].device if self.buckets else "cpu"
+        sparse = [b for b in self.buckets if b.sparse]
+        times, large, probes = agreed_link(
+            self.transport, device, max((b.nbytes for b in self.buckets), default=0))
+        self.link = link_from(times, size, large)
+        self.stats.totals["calibration_bytes"] += probes  # not part of any step's exchange
+        n = len(sparse)
+        local = [self._measured.get(b.index, 0.0) for b in sparse]
+        wire = [self._wire.get(b.index, [0, 0, 1]) for b in sparse]
+        local += [w[0] / w[2] for w in wire]  # per exchange, on average
+        local += [w[1] / w[2] for w in wire]
+        # (the code is priced where numba codes it: without it the walk is a Python loop)
+        coding = c.index_coding == "auto" and torch.device(device).type == "cpu" and n > 0 \
+            and cpu.available()
+        if coding:
+            local += measure_codec(c.density)
+        agreed = agree_max(self.transport, local) if local else []
+        compute, gathered, entries = agreed[:n], agreed[n:2 * n], agreed[2 * n:3 * n]
+        self.codec = [float(x) for x in agreed[3 * n:]] if coding else None
+        by = "gather" if (c.deterministic_dense and size > 2) else "reduce"
+        # tensors that are always dense (small ones, below min_sparse_numel) make an allreduce
+        # every step, and where the transport fuses allreduces (Horovod) a bucket joining them
+        # pays its bytes but no latency of its own: pricing that latency sent a ResNet's 147 kB
+        # layer sparse, into a collective of its own, and its step was 9% slower than dense
+        # Horovod's (docs/results.md)
+        fused = by == "reduce" and self.transport.fuses_allreduces \
+            and any(not b.sparse for b in self.buckets)
+        ratio = c.downlink_density / c.density
+        for b, cs, nbytes, count in zip(sparse, compute, gathered, entries):
+            st = self.state[b.index]
+            if cs <= 0 and st.costs.get("gathered_bytes"):
+                # not measured in this process (resumed, or the world changed, while dense):
+                # the last measurement, saved with the choices (as plain positions), its bytes
+                # scaled to this world's number of payloads
+                cs = st.costs["compute_s"]
+                if nbytes <= 0:
+                    scale = size / st.costs.get("world", size)
+                    nbytes = st.costs["gathered_bytes"] * scale
+                    count = st.costs.get("entries", 0.0) * scale
+                    self._measured_coding.pop(b.index, None)
+            if nbytes <= 0:  # never went sparse: no measurement, keep the current choice
+                continue
+            cs_golomb = bytes_golomb = None
+            if coding and count > 0:
+                codec_s, _, saved = costmodel.golomb_trade(
+                    count, size, b.numel, b.index_dtype.itemsize, *self.codec, self.link)
+                if self._measured_coding.get(b.index) == "golomb":  # its share out
+                    cs, nbytes = max(0.0, cs - codec_s), nbytes + saved
+                cs_golomb, bytes_golomb = cs + codec_s, nbytes - saved
+            t_gather = costmodel.sparse_time(cs, nbytes, self.link)
+            t_golomb = None if cs_golomb is None else \
+                costmodel.sparse_time(cs_golomb, bytes_golomb, self.link)
+            hist = sharded.HISTOGRAM_TENSOR_BYTES if self._global_rule(b) else 0
+            t_sharded = costmodel.sharded_time(cs, nbytes / size, size, self.link, ratio, hist)
+            recode = False
+            if coding:
+                choice = "golomb" if t_golomb is not None and t_golomb < t_gather else "plain"
+                recode, st.index_coding = choice != st.index_coding, choice
+                if choice == "golomb":
+                    t_gather = t_golomb
+            if c.collective == "auto":
+                self._set_collective(b, "sharded" if t_sharded < t_gather
+                                     and not self._exact_by_allgather(b) else "allgather")
+            t_sparse = t_sharded if self.collective(b) == "sharded" else t_gather
+            t_dense = costmodel.dense_time(b.nbytes, size, self.link, by, fused)
+            st.mode = "dense" if t_dense < t_sparse else "sparse"
+            if recode and st.mode == "sparse":  # measured anew under its new code (a bucket
+                # gone dense keeps what it was seen doing, for a later recalibration)
+                for seen in (self._measured, self._wire):
+                    seen.pop(b.index, None)
+            if st.mode == "dense" and self.collective(b) == "sharded":
+                # the first dense exchange flushes the downlink residual: it must be whole
+                self._regions_to_replicated(b)
+            # plain floats (the agreed measurements come as numpy's): the costs are replicated
+            # state, digested by repr and sent through torch.load(weights_only=True)
+            st.costs = {"sparse_s": float(t_sparse), "dense_s": float(t_dense),
+                        "compute_s": float(cs), "gathered_bytes": float(nbytes),
+                        "entries": float(count), "world": float(size),
+                        "allgather_s": float(t_gather), "sharded_s": float(t_sharded),
+                        "collective": self.collective(b), "index_coding": self.index_coding(b)}
+            if t_golomb is not None:
+                st.costs["golomb_allgather_s"] = float(t_golomb)
+        self.calibrated_at = self.steps
+        self.calibrated_world = size
+
+    def cost_report(self) -> dict:
+        """The cost model's inputs and choices (part of ``communication_stats()``)."""
+        return {"rule": self.config.cost_model, "calibrated_at_step": self.calibrated_at,
+                "link": self.link.as_dict() if self.link else None,
+                "golomb_s_per_position": self.codec,
+                "buckets": {b.name: dict(self.state[b.index].costs,
+                                         mode=self.state[b.index].mode)
+                            for b in self.buckets if b.sparse}}

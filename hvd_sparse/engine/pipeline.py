@@ -23,51 +23,28 @@ ready buckets and call :meth:`Engine.finish`; they never touch its state directl
 from __future__ import annotations
 
 import io
-import math
 import os
 import warnings
 from types import MappingProxyType
 from typing import Dict, List, NamedTuple, Optional
 
-import numpy as np
 import torch
 
-from .. import aggregation, checkpoint, costmodel, kernels, safety, wire
+from .. import aggregation, costmodel, kernels, safety, wire
 from ..compat import Compression
 from ..dgc import clip_local, cooldown_density, warmup_density
 from ..kernels import cpu, select as fused, stream
 from ..sparsifiers import SelectionContext
 from ..stats import CommunicationStats
-from . import agreement, calibration, sharded
+from . import agreement, sharded
+from .calibration import LinkPricing
 from .config import EngineConfig
+from .flat import all_finite, write_flat
+from .persistence import Checkpointing
+from .sharded import ShardedExchange
 from .stages import StageClock
-from ..feedback import Residual
 from .state import BucketState, InFlight
-
-STATE_FORMAT = 1
-#: received weight changes go straight into the anchor while they number at most 1/8 of the
-#: bucket: a random touch costs about as much as 20-30 sequential entries, and the full-length
-#: path makes four passes
-SPARSE_DELTA_SHARE = 8
-
-
-def _itemsize(dtype) -> int:
-    return dtype.itemsize
-
-
-def write_flat(p: torch.Tensor, lo: int, hi: int, values: torch.Tensor) -> None:
-    """``p.reshape(-1)[lo:hi] = values`` for a parameter in any memory layout: positions are
-    the tensor's logical (row-major) order on every rank, which a ``channels_last`` or
-    transposed parameter's storage is not, so such a parameter is written whole."""
-    if p.is_contiguous():
-        p.view(-1)[lo:hi].copy_(values)
-        return
-    if lo == 0 and hi == p.numel():
-        p.copy_(values.view(p.shape))
-        return
-    whole = p.detach().reshape(-1).clone()
-    whole[lo:hi] = values
-    p.copy_(whole.view(p.shape))
+from .updates import UpdateExchange
 
 
 class BucketView(NamedTuple):
@@ -88,39 +65,13 @@ class BucketView(NamedTuple):
     bounds: Optional[tuple] = None  # sharded exchange: the region bounds (P + 1 positions)
 
 
-def _numpy_view(p) -> "Optional[np.ndarray]":
-    """A flat numpy view of a contiguous CPU tensor of a dtype numpy has (it shares the
-    tensor's memory), else None."""
-    if p.device.type != "cpu" or p.dtype not in _NUMPY_FLOATS or not p.is_contiguous():
-        return None
-    return p.detach().numpy().reshape(-1)
+class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
+    """Per-bucket sparse exchange with error feedback in both directions (see module doc).
 
-
-_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
-
-
-def probe_positions(n: int, count: int) -> torch.Tensor:
-    """Up to ``count`` evenly spaced positions of a vector of ``n`` entries, first and last
-    included, in integer arithmetic: a float32 ``linspace`` rounds ``n - 1`` up to ``n``
-    beyond 2**24 entries (a 51.2M-entry embedding probed out of bounds)."""
-    m = min(n, count)
-    if m <= 1:
-        return torch.zeros(m, dtype=torch.long)
-    return torch.unique(torch.arange(m, dtype=torch.long) * (n - 1) // (m - 1))
-
-
-class _Probes(NamedTuple):
-    """follow_outside_changes' positions for the buckets of one (device, dtype)."""
-
-    buckets: list
-    pieces: list  # (parameter, its probed flat positions)
-    flats: list  # per bucket: the same positions in its anchor
-    owner: torch.Tensor  # per position: the index of its bucket in ``buckets``
-    numpy: Optional[tuple] = None  # on the CPU: (pieces, flats, owner) with numpy positions
-
-
-class Engine:
-    """Per-bucket sparse exchange with error feedback in both directions (see module doc)."""
+    The data flow is here; the parts that only some configurations use are mixed in from
+    their own modules: the sharded collective's regions (:mod:`.sharded`), exchanged weight
+    changes (:mod:`.updates`), the time cost model's calibration (:mod:`.calibration`) and
+    checkpoints (:mod:`.persistence`)."""
 
     def __init__(self, config: EngineConfig, buckets, transport):
         self.config = config
@@ -335,54 +286,6 @@ class Engine:
         self.agreement_due = True
         self.agreement_root = int(root)
 
-    def replicated_state(self) -> dict:
-        """What every rank holds identically (the tensors themselves, not copies)."""
-        return {
-            "steps": self.steps,
-            "local_count": self.local_count,
-            "calibrated_at": self.calibrated_at,
-            "calibrated_world": self.calibrated_world,
-            "buckets": {b.name: {"downlink": self.state[b.index].downlink.buffer,
-                                 "mode": self.state[b.index].mode,
-                                 "collective": self.state[b.index].collective,
-                                 "bounds": self.state[b.index].bounds,
-                                 "load": self.state[b.index].load,
-                                 "costs": dict(self.state[b.index].costs)}
-                        for b in self.buckets if b.sparse},
-            "anchors": {b.name: self.state[b.index].anchor for b in self.buckets
-                        if self.state[b.index].anchor is not None},
-            "sparsifier": self.config.sparsifier.state_dict(),
-            "downlink_sparsifier": self.config.downlink_sparsifier.state_dict(),
-        }
-
-    def load_replicated(self, saved: dict) -> None:
-        """Adopt replicated state (from :meth:`replicated_state` or a checkpoint), each tensor
-        moved to the device of its bucket's parameters."""
-        buckets = saved["buckets"]
-        for b in self.buckets:
-            st = self.state[b.index]
-            device = b.params[0].device
-            if b.sparse:
-                entry = buckets[b.name]
-                d = entry["downlink"]
-                st.downlink.load(None if d is None else d.to(device))
-                st.mode = entry.get("mode", "sparse")
-                st.collective = entry.get("collective", st.collective)
-                bounds = entry.get("bounds")
-                st.bounds = None if bounds is None else tuple(int(x) for x in bounds)
-                load = entry.get("load")
-                st.load = None if load is None else load.double().to(device).clone()
-                st.costs = dict(entry.get("costs", {}))
-                if self.config.index_coding == "auto":
-                    st.index_coding = st.costs.get("index_coding", "plain")
-            a = saved.get("anchors", {}).get(b.name)
-            st.anchor = None if a is None else a.to(device).clone()
-        self.steps = int(saved.get("steps", 0))
-        self.local_count = int(saved.get("local_count", 0))
-        self.calibrated_at = saved.get("calibrated_at")
-        self.calibrated_world = saved.get("calibrated_world")
-        self.config.sparsifier.load_state_dict(saved.get("sparsifier", {}))
-        self.config.downlink_sparsifier.load_state_dict(saved.get("downlink_sparsifier", {}))
 
     # ----------------------------------------------------------------- uplink
     def gradient(self, b):
@@ -454,7 +357,7 @@ class Engine:
             return True  # an owner sees one region: the layer floor needs the whole bucket
         if not self._global_rule(b):
             return False
-        pair = _itemsize(b.index_dtype) + _itemsize(c.value_dtype or b.dtype)
+        pair = b.index_dtype.itemsize + (c.value_dtype or b.dtype).itemsize
         return sharded.allgather_is_cheaper(int(c.density * b.numel),
                                             int(c.downlink_density * b.numel),
                                             self.transport.size(), pair)
@@ -474,8 +377,8 @@ class Engine:
             up, _ = self.densities()
             k = c.sparsifier.target_count(b.numel, up, self._ctx(b, "up"))
             if k is not None and costmodel.prefer_dense(
-                    b.numel, k, self.transport.size(), _itemsize(b.index_dtype),
-                    _itemsize(c.value_dtype or b.dtype), _itemsize(b.dtype),
+                    b.numel, k, self.transport.size(), b.index_dtype.itemsize,
+                    (c.value_dtype or b.dtype).itemsize, b.dtype.itemsize,
                     dense_by="gather" if dense == "gather" else "ring"):
                 return dense
         return None
@@ -648,7 +551,7 @@ class Engine:
             scaled = scaled * (1.0 / c.predivide)
         wire_values, ctx = c.compression.compress(scaled)
         if wire_values.dtype != scaled.dtype and wire_values.dtype.is_floating_point \
-                and not _all_finite(wire_values) and _all_finite(scaled):
+                and not all_finite(wire_values) and all_finite(scaled):
             big = torch.finfo(wire_values.dtype).max  # the codec narrows (Compression.fp16)
             wire_values, ctx = c.compression.compress(scaled.clamp(-big, big))
         sent = c.compression.decompress(wire_values, ctx).to(values.dtype)
@@ -684,7 +587,7 @@ class Engine:
         c = self.config
         st = self.state[b.index]
         with self.clock.stage("uplink_select", b.index):
-            if c.nonfinite != "ignore" and not _all_finite(flat):
+            if c.nonfinite != "ignore" and not all_finite(flat):
                 self._send_nonfinite(b, flat, name, sparse_ids)
                 return
             if c.nonfinite != "ignore":
@@ -851,7 +754,7 @@ class Engine:
             else:
                 out = c.compression.decompress(received, job.ctx)
                 received_bytes = job.nbytes
-            bad = [-1] if check and not _all_finite(out) else []
+            bad = [-1] if check and not all_finite(out) else []
         return (out, received_bytes), bad
 
     def _commit_uplink(self, b, write):
@@ -982,264 +885,6 @@ class Engine:
             self._note_wire(b, gathered_bytes, sum(p.indices.numel() for p in payloads))
             self._measured_coding[b.index] = self.index_coding(b)
 
-    # ----------------------------------------------------------------- sharded exchange
-    def _bounds(self, b):
-        """The bucket's region bounds: re-balanced ones when made for this world size, else
-        equal regions."""
-        size = self.transport.size()
-        bounds = self.state[b.index].bounds
-        if bounds is None or len(bounds) != size + 1:
-            return sharded.region_bounds(b.numel, size)
-        return bounds
-
-    def _region(self, b):
-        bounds = self._bounds(b)
-        rank = self.transport.rank()
-        return bounds[rank], bounds[rank + 1]
-
-    def _shard(self, b, lo, hi, device):
-        """This rank's region residual: zeros when new, and when the world changed since it
-        was made (its region is another one now; the mass it held is dropped, with a warning)."""
-        st = self.state[b.index]
-        layout = (self.transport.size(), self.transport.rank(), lo, hi)
-        if st.shard is not None and st.shard_layout != layout:
-            if st.shard.buffer is not None and bool(st.shard.buffer.any()):
-                warnings.warn(f"bucket '{b.name}': the world changed since this rank's region "
-                              "residual was made; its unsent aggregate is dropped")
-            st.shard = None
-        if st.shard is None:
-            st.shard = Residual(hi - lo, st.downlink.dtype)
-            st.shard_layout = layout
-            whole = st.downlink.buffer
-            if whole is not None:
-                # a whole downlink residual (a merged or allgather-collective checkpoint, on
-                # every rank alike): this rank keeps its region of it
-                st.shard.load(whole[lo:hi].to(device).clone())
-                st.downlink.buffer = None
-        return st.shard.ensure(torch.empty(0, device=device))
-
-    def _set_collective(self, b, new: str) -> None:
-        """Switch a bucket between the collectives ("auto", at calibration, on every rank):
-        the replicated downlink residual is cut into regions, or the owners' regions are
-        allgathered back into it; no mass is lost either way."""
-        st = self.state[b.index]
-        if st.collective == new:
-            return
-        device = b.params[0].device
-        lo, hi = self._region(b)
-        if new == "sharded":
-            st.shard = None
-            self._shard(b, lo, hi, device)  # cuts this rank's region from the whole residual
-        else:
-            self._regions_to_replicated(b)
-        st.collective = new
-
-    def _regions_to_replicated(self, b) -> None:
-        """Every owner's region residual allgathered (regions in rank order) into the bucket's
-        replicated downlink residual; called on every rank alike (at calibration)."""
-        st = self.state[b.index]
-        st.downlink.load(self._gather_regions(b))
-        st.shard, st.shard_layout = None, None
-
-    def _gather_regions(self, b) -> torch.Tensor:
-        """The whole downlink residual from the owners' regions (an allgather; every rank)."""
-        st = self.state[b.index]
-        lo, hi = self._region(b)
-        mine = self._shard(b, lo, hi, b.params[0].device)  # cut from a whole one, if any
-        handle = self.transport.allgather_async(
-            mine.contiguous().view(torch.uint8), f"hvd_sparse.{b.index}.{b.name}.regions")
-        return self.transport.wait(handle).view(st.downlink.dtype)
-
-    def _rebalances(self, b) -> bool:
-        """Whether this sharded bucket's bounds may move: only where what is selected does not
-        depend on a region's length (Top-K under the global rule, the hard threshold, no
-        downlink selection at all)."""
-        c = self.config
-        return (c.rebalance_every > 0 and self.transport.size() > 1
-                and self.collective(b) == "sharded" and self.state[b.index].mode != "dense"
-                and (not c.bidirectional or self._global_rule(b)
-                     or c.downlink_sparsifier.name == "threshold"))
-
-    def _record_load(self, b, idx) -> None:
-        """Count the gathered downlink positions (the same on every rank) per position bin."""
-        st = self.state[b.index]
-        st.load = sharded.load_counts(idx, b.numel, into=st.load)
-
-    def _rebalance(self, b) -> None:
-        """Every rank at the same step: when the busiest region's load exceeds
-        ``REBALANCE_AT`` times the mean, move the bounds to balance it and the region
-        residuals with them (allgathered whole, then cut again: no mass moves or is lost)."""
-        st = self.state[b.index]
-        load, st.load = st.load, None
-        if load is None or float(load.sum()) <= 0:
-            return
-        size = self.transport.size()
-        loads = sharded.region_loads(load, self._bounds(b), b.numel)
-        if float(loads.max()) <= sharded.REBALANCE_AT * float(loads.mean()):
-            return
-        new = sharded.balanced_bounds(load, b.numel, size)
-        if new == tuple(self._bounds(b)):
-            return
-        full = self._gather_regions(b) if self.config.bidirectional else None
-        st.bounds = new
-        st.shard, st.shard_layout = None, None
-        if full is not None:
-            lo, hi = self._region(b)
-            self._shard(b, lo, hi, full.device).copy_(full[lo:hi])
-
-    def _serve_region(self, b, received):
-        """Owner, first half: the entries every rank sent for this rank's region, summed in rank
-        order into its region residual (or a zeroed scratch without a downlink)."""
-        c = self.config
-        job = self.inflight[b.index]
-        payloads, a2a_bytes = received
-        lo, hi = self._region(b)
-        scale = (c.predivide / self.transport.size()) if c.average else 1.0
-        device = b.params[0].device
-        with self.clock.stage("aggregate", b.index):
-            for p in payloads:
-                p.values = c.compression.decompress(p.values, job.ctx)
-            sharded.check_region(payloads, lo, hi, b.name)
-            st = self.state[b.index]
-            if c.bidirectional:
-                region = self._shard(b, lo, hi, device)
-            else:  # a scratch of its own (the flat-gradient buffer may still be in use)
-                region = st.region_scratch
-                if region is None or region.numel() != hi - lo or region.device != device:
-                    st.region_scratch = region = torch.zeros(hi - lo, dtype=st.downlink.dtype,
-                                                             device=device)
-                else:
-                    stream.zero_(region)
-                if st.downlink.buffer is not None:  # every owner takes its region, then none
-                    region.add_(self._pending(b, lo, hi, device))
-                    st.downlink.buffer = None
-            ops = kernels.ops_for(region)
-            for p in payloads:  # rank order; indices unique within a payload
-                if p.indices.numel():
-                    ops.scatter_add(region, p.indices - lo, p.values, scale)
-        self._serving[b.index] = (region, payloads, a2a_bytes)
-
-    def _global_rule(self, b) -> bool:
-        """The downlink of this sharded bucket keeps the bucket's top entries under one global
-        threshold (Top-K with ``sharded_selection="global"``), not each region's own top.
-        Buckets too small for the histograms to pay are not sharded at all
-        (:meth:`_exact_by_allgather`)."""
-        c = self.config
-        return (c.bidirectional and c.sharded_selection == "global"
-                and c.downlink_sparsifier.name == "topk")
-
-    def _global_thresholds(self, served) -> dict:
-        """Two small allreduces for every bucket under the global rule at once: each owner's
-        coarse magnitude histogram of its region, summed, names the bin that holds the
-        bucket's k-th magnitude; a finer histogram inside that bin, summed, gives the threshold
-        whose count is closest to k (within one fine bin, 2**-14 of the magnitude)."""
-        chosen = [b for b in served if self._global_rule(b)]
-        if not chosen:
-            return {}
-        _, down_density = self.densities()
-        ks = {b.index: max(1, int(down_density * b.numel)) for b in chosen}
-        regions = {b.index: self._serving[b.index][0] for b in chosen}
-
-        def summed(parts, name):
-            with self.clock.stage("collective_wait"):
-                handle = self.transport.allreduce_async(torch.cat(parts), name, average=False)
-                return self.transport.wait(handle).double().cpu()
-
-        with self.clock.stage("downlink_select"):
-            coarse = [kernels.ops_for(regions[b.index]).magnitude_histogram(
-                regions[b.index], sharded.HIST_SHIFT, sharded.BINS) for b in chosen]
-        total = summed(coarse, "hvd_sparse.histograms")
-        bins = {b.index: sharded.coarse_bin(total[i * sharded.BINS:(i + 1) * sharded.BINS],
-                                            ks[b.index]) for i, b in enumerate(chosen)}
-        with self.clock.stage("downlink_select"):
-            fine = [kernels.ops_for(regions[b.index]).magnitude_histogram(
-                regions[b.index], sharded.FINE_SHIFT, sharded.FINE_BINS, sharded.HIST_SHIFT,
-                bins[b.index][0] if bins[b.index] else -1) for b in chosen]
-        total = summed(fine, "hvd_sparse.histograms.fine")
-        size = self.transport.size()
-        out = {}
-        for i, b in enumerate(chosen):
-            # a ring allreduce moves 2 (P-1)/P of the tensor each way per rank, twice here
-            self._histogram_bytes[b.index] = sharded.histogram_bytes(size)
-            if bins[b.index] is None:
-                out[b.index] = sharded.TINY  # k reaches into the zeros: every non-zero entry
-                continue
-            cb, above = bins[b.index]
-            part = total[i * sharded.FINE_BINS:(i + 1) * sharded.FINE_BINS]
-            out[b.index] = sharded.fine_threshold(cb, above, part, ks[b.index])
-        return out
-
-    def _select_region(self, b, threshold=None):
-        """Owner, second half: select from the region (by the global threshold when given,
-        else by the downlink sparsifier on the region alone), keep the rest in the region
-        residual, and send the selection to every rank with an allgather."""
-        c = self.config
-        region, payloads, a2a_bytes = self._serving[b.index]
-        lo, hi = self._region(b)
-        ops = kernels.ops_for(region)
-        if c.bidirectional:
-            _, down_density = self.densities()
-            ctx = self._ctx(b, "down", whole=False)
-            with self.clock.stage("downlink_select", b.index):
-                if threshold is not None:
-                    sel = fused.threshold(ops, None, region, threshold)
-                else:
-                    sel = c.downlink_sparsifier.fused(ops, None, region, down_density, ctx)
-                if sel is not None and not sel.nonfinite:
-                    idx, values = sel.idx, sel.values
-                    wire_values, sent, codec = self._to_wire(b, values, prescale=False)
-                    fused.commit(ops, None, region, sel, sent)
-                else:
-                    idx, values = c.downlink_sparsifier.compress(region, down_density, ctx)
-                    wire_values, sent, codec = self._to_wire(b, values, prescale=False)
-                    self.state[b.index].shard.settle(idx, sent)
-            constant = c.downlink_sparsifier.constant_value
-        else:  # the region's whole aggregate, on the union of what was received
-            with self.clock.stage("aggregate", b.index):
-                got = [p.indices for p in payloads if p.indices.numel()]
-                idx = torch.unique(torch.cat(got)) - lo if got else \
-                    torch.empty(0, dtype=torch.int64, device=region.device)
-                wire_values, _, codec = self._to_wire(b, region[idx], prescale=False)
-            constant = False
-        with self.clock.stage("encode", b.index):
-            payload = wire.encode(idx + lo, wire_values, index_dtype=b.index_dtype, tag=b.tag,
-                                  numel=b.numel, index_coding=self.index_coding(b),
-                                  constant=constant)
-        handle = self.transport.allgather_async(payload, f"hvd_sparse.{b.index}.{b.name}.down")
-        self._serving[b.index] = (handle, payload.numel(), codec, a2a_bytes)
-
-    def _apply_regions(self, b, write):
-        """Every rank: the owners' selections (regions in rank order, so positions ascend) are
-        the update, written as zero-fill plus scatter."""
-        c = self.config
-        job = self.inflight[b.index]
-        handle, own_bytes, codec, a2a_bytes = self._serving[b.index]
-        with self.clock.stage("collective_wait"):
-            gathered = self.transport.wait(handle)
-        with self.clock.stage("decode", b.index):
-            payloads = wire.decode_all(gathered, self.transport.size(), tag=b.tag,
-                                       numel=b.numel, bucket=b.name)
-            idx = torch.cat([p.indices for p in payloads])
-            values = torch.cat([c.compression.decompress(p.values, codec) for p in payloads])
-        if c.sparsifier.observes or c.downlink_sparsifier.observes:
-            c.sparsifier.observe(values, self._ctx(b, "up"))
-            c.downlink_sparsifier.observe(values, self._ctx(b, "down"))
-        if self._rebalances(b):
-            self._record_load(b, idx)
-        grad = b.params[0].grad
-        ops = kernels.ops_for(grad if grad is not None and not grad.is_sparse else values)
-        with self.clock.stage("write", b.index):
-            self._write_sparse(b, idx, values, job.sparse_grads, write, ops, job.zeroed)
-        hist = self._histogram_bytes.pop(b.index, 0)
-        self.stats.record(b.name, sent=job.nbytes + own_bytes + hist,
-                          received=a2a_bytes - job.own_bytes + gathered.numel() - own_bytes
-                          + hist,
-                          dense=b.nbytes, selected=job.selected, numel=b.numel,
-                          target=job.target, error=job.error, downlink_selected=idx.numel())
-        # what an allgather of this rank's payload would bring (the cost model's common unit)
-        if self._at_target_density():
-            self._note_wire(b, self.transport.size() * (job.nbytes + job.own_bytes), 0)
-
     # ----------------------------------------------------------------- write
     def _write_sparse(self, b, idx, values, sparse_ids, write, ops, zeroed):
         """``p.grad`` = zeros with the selected entries (no intermediate dense vector);
@@ -1312,263 +957,6 @@ class Engine:
                 if not p.grad.is_contiguous():
                     p.grad = p.grad.contiguous()
                 p.grad.view(-1)[lo:hi].copy_(seg)
-
-    # ----------------------------------------------------------------- communication delay
-    def flat_params(self, b):
-        return torch.cat([p.detach().reshape(-1)[lo:hi] for p, (lo, hi) in
-                          zip(b.params, b.slices)]).to(aggregation.accumulation_dtype(b.dtype))
-
-    def weight_change(self, b):
-        """``params - anchor`` of a bucket, written into its reused flat buffer (no full-size
-        allocation per exchange)."""
-        anchor = self.state[b.index].anchor
-        out = self.state[b.index].flat_buffer(b.numel, anchor.dtype, anchor.device)
-        for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
-            n = hi - lo
-            torch.sub(p.detach().reshape(-1)[lo:hi], anchor[off:off + n], out=out[off:off + n])
-        return out
-
-    def clip_gradients(self) -> None:
-        """DGC's local gradient clipping where weight updates are exchanged: each bucket's
-        ``p.grad`` scaled to L2 norm at most ``local_clip_norm / sqrt(P)`` before the wrapped
-        optimizer's local step. Clipping the weight change instead did nothing (its norm is
-        far below the limit; Adam's moments saw the unclipped spike)."""
-        limit = self.config.local_clip_norm / math.sqrt(self.transport.size())
-        for b in self.buckets:
-            pieces = [p.grad.view(-1)[lo:hi] for p, (lo, hi) in zip(b.params, b.slices)
-                      if p.grad is not None and not p.grad.is_sparse]
-            if not pieces:
-                continue
-            norm = torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(g.float()) for g in pieces]))
-            scale = torch.clamp(limit / (norm + 1e-12), max=1.0)
-            for g in pieces:
-                g.mul_(scale.to(g.dtype))
-
-    def local_step_done(self) -> bool:
-        """Count a local step; True when it is time to exchange the weight change."""
-        self.local_count += 1
-        return self.local_count % self.config.local_steps == 0
-
-    def ensure_anchors(self):
-        for b in self.buckets:
-            st = self.state[b.index]
-            if st.anchor is None:
-                st.anchor = self.flat_params(b)
-
-    # positions checked per parameter, and parameters per bucket, by follow_outside_changes
-    PROBES_PER_PARAM, PROBED_PARAMS = 8, 16
-
-    def follow_outside_changes(self) -> None:
-        """Before the first local step after an exchange, where each bucket's parameters
-        equal its anchor bit for bit unless something outside the optimizer changed them
-        (weights reloaded into the model, a clip after each step, ``p.data`` writes): a bucket
-        found changed is re-anchored at its current parameters, so the change stands, as it
-        does under Horovod, instead of being taken for part of this rank's update (then sent
-        back through error feedback, which undid a reload and let a clip push the weights
-        away). Checked at a few fixed positions of up to 16 parameters per bucket (no pass
-        over the parameters; a change that misses every position is exchanged as before),
-        the same positions on every rank, so identical replicas decide alike without a
-        collective; one gather per parameter and one read per device for all buckets."""
-        if self.local_count % self.config.local_steps:
-            return
-        if self._probes is None:
-            self._probes = self._probe_plan()
-        for buckets, pieces, flats, owner, as_numpy in self._probes:
-            views = [self._view(p) for p, _ in pieces] if as_numpy else [None]
-            if all(v is not None for v in views):
-                pieces_np, flats_np, owner_np = as_numpy
-                # numpy views: a fancy index per parameter costs far less than a torch op
-                got = np.concatenate([v[local] for v, (_, local) in zip(views, pieces_np)])
-                want = np.concatenate([
-                    self._view(self.state[b.index].anchor, ("anchor", b.index))[flat]
-                    for b, flat in zip(buckets, flats_np)]).astype(got.dtype)
-                changed = np.bincount(owner_np, weights=got != want,
-                                      minlength=len(buckets)).tolist()
-            else:
-                got = torch.cat([torch.take(p.detach(), local) for p, local in pieces])
-                want = torch.cat([self.state[b.index].anchor[flat].to(got.dtype)
-                                  for b, flat in zip(buckets, flats)])
-                changed = torch.zeros(len(buckets), dtype=torch.int32, device=got.device)
-                changed = changed.index_add_(0, owner, (got != want).to(torch.int32)).tolist()
-            for b, c in zip(buckets, changed):
-                if c:
-                    self.outside_changes += 1
-                    anchor = self.state[b.index].anchor
-                    for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
-                        anchor[off:off + hi - lo].copy_(p.detach().reshape(-1)[lo:hi])
-
-    def _view(self, t, key=None):
-        """:func:`_numpy_view` of ``t`` (a parameter, or a bucket's anchor under ``key``),
-        kept while ``t`` keeps its memory (made anew after ``p.data = ...`` or a reload)."""
-        key = t if key is None else key
-        ptr = t.data_ptr()
-        kept = self._views.get(key)
-        if kept is None or kept[0] != ptr:
-            kept = self._views[key] = (ptr, _numpy_view(t))
-        return kept[1]
-
-    def _probe_plan(self):
-        """Per (device, dtype) of the buckets: the buckets, each probed parameter with its
-        positions, each bucket's anchor positions, and which bucket each position is of."""
-        groups = {}
-        for b in self.buckets:
-            anchor = self.state[b.index].anchor
-            pieces = list(zip(b.params, b.offsets, b.slices))
-            g = groups.setdefault((anchor.device, b.dtype), ([], [], [], []))
-            flat = []
-            for p, off, (lo, hi) in pieces[::max(1, len(pieces) // self.PROBED_PARAMS)]:
-                n = hi - lo
-                local = probe_positions(n, self.PROBES_PER_PARAM).to(anchor.device)
-                g[1].append((p, (local + lo).to(p.device)))
-                flat.append(local + off)
-                g[3].append(torch.full((local.numel(),), len(g[0]), dtype=torch.long,
-                                       device=anchor.device))
-            g[0].append(b)
-            g[2].append(torch.cat(flat))
-        out = []
-        for bs, pieces, flats, owner in groups.values():
-            owner = torch.cat(owner)
-            as_numpy = ([(p, local.numpy()) for p, local in pieces], [f.numpy() for f in flats],
-                        owner.numpy()) if owner.device.type == "cpu" else None
-            out.append(_Probes(bs, pieces, flats, owner, as_numpy))
-        return out
-
-    def exchange_deltas(self):
-        """Every bucket's change since the last exchange, sparsified with error feedback and
-        averaged like a gradient; all ranks restart from ``anchor + averaged change``."""
-        self.ensure_agreed()  # the anchors must be the same before the deltas are taken
-        flagged, self._flag_at_exchange = self._flag_at_exchange, False
-        for b in self.launch_order:
-            delta = None if flagged else self._weight_change_parts(b)
-            flat = self.weight_change(b) if delta is None else delta[0]
-            if flagged:  # a local step saw NaN/Inf under "raise": every rank must learn it
-                self._send_nonfinite(b, flat, f"hvd_sparse.{b.index}.{b.name}", frozenset())
-            else:
-                self.launch(b, flat, delta=None if delta is None else delta[1:])
-        self.finish("delta")
-
-    def take_sent(self):
-        """(bucket, positions this rank sent in it) of the last exchange's sparse buckets, for
-        ``momentum_masking``; forgotten once taken."""
-        sent, self._sent = self._sent, {}
-        return [(b, sent[b.index]) for b in self.buckets if b.index in sent]
-
-    def _weight_change_parts(self, b):
-        """A bucket's weight change left as ``params - anchor`` for the uplink scan to form
-        where it reads them (16 bytes per entry with the residual and ``acc``, against 24 for
-        the change written first): (the unfilled flat buffer, [(piece, offset)], anchor), or
-        None where :meth:`weight_change` is needed (the conditions of
-        :meth:`_gradient_parts`, and float32 parameters and anchor)."""
-        c, st = self.config, self.state[b.index]
-        if not self._acc_in_scan or st.anchor is None or st.anchor.dtype != torch.float32 \
-                or c.local_clip_norm is not None or st.velocity is not None \
-                or not cpu.available() or cpu._threads() != 1:
-            return None
-        parts = []
-        for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
-            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous() \
-                    or kernels.backend_for(p) != "numba":
-                return None
-            parts.append((p.detach().reshape(-1)[lo:hi], off))
-        flat = st.flat_buffer(b.numel, torch.float32, st.anchor.device)
-        return flat, parts, st.anchor
-
-    def agree_gradients_finite(self) -> None:
-        """``synchronize()`` when updates are exchanged: one tiny allreduce says whether any
-        rank's gradient holds NaN/Inf; if so, by ``nonfinite``: every rank's gradients become
-        NaN ("propagate", so each loss scaler skips the step and lowers its scale) or zero
-        ("skip", the local step is then skipped everywhere), or every rank raises."""
-        c = self.config
-        if c.nonfinite == "ignore" or self.transport.size() == 1 and c.nonfinite != "raise":
-            return
-        params = [p for b in self.buckets for p in b.params if p.grad is not None]
-        bad = [n for b in self.buckets for n, p in zip(b.names, b.params)
-               if p.grad is not None and not _all_finite(
-                   p.grad.coalesce().values() if p.grad.is_sparse else p.grad)]
-        flag = torch.tensor([float(len(bad) > 0)], dtype=torch.float32)
-        if self.transport.size() > 1:
-            flag = self.transport.wait(self.transport.allreduce_async(
-                flag, "hvd_sparse.finite", average=False))
-        if float(flag.sum()) == 0:
-            return
-        mine = f" (this rank: {', '.join(bad)})" if bad else ""
-        if c.nonfinite == "raise":
-            raise safety.NonFiniteGradientError(
-                f"non-finite gradient at step {self.steps} on {int(flag.sum())} rank(s){mine}")
-        fill = float("nan") if c.nonfinite == "propagate" else 0.0
-        for p in params:
-            if p.grad.is_sparse:
-                p.grad = torch.full_like(p, fill)
-            else:
-                p.grad.fill_(fill)
-        self.stats.nonfinite_steps += 1
-
-    def local_step_finite(self) -> bool:
-        """Before a local step (communication delay): are this rank's gradients finite? If
-        not, the caller skips the step on this rank only, so no NaN/Inf reaches the weights;
-        under "raise" every rank raises at the next exchange. Always True for "ignore"."""
-        if self.config.nonfinite == "ignore":
-            return True
-        bad = [n for b in self.buckets for n, p in zip(b.names, b.params)
-               if p.grad is not None and not _all_finite(
-                   p.grad.coalesce().values() if p.grad.is_sparse else p.grad)]
-        if not bad:
-            return True
-        self._local_nonfinite += bad
-        self._flag_at_exchange |= self.config.nonfinite == "raise"
-        for b in self.buckets:
-            for p in b.params:
-                if p.grad is not None:
-                    p.grad = torch.zeros_like(p) if p.grad.is_sparse else p.grad.zero_()
-        return False
-
-    def _delta_in_place(self, b, payloads) -> bool:
-        """Without the downlink selection, are the received weight changes added straight into
-        the anchor (O(P k) touches) rather than summed into a zeroed full-length buffer that is
-        then added to it (four passes over the bucket)? Where they are few against its length
-        and the anchor is the accumulation dtype's."""
-        st = self.state[b.index]
-        received = sum(p.indices.numel() for p in payloads)
-        return st.anchor is not None and st.anchor.dtype == st.downlink.dtype \
-            and st.downlink.buffer is None and received * SPARSE_DELTA_SHARE <= b.numel
-
-    def _pending(self, b, lo, hi, device):
-        """Without the downlink selection, a downlink residual this engine holds (loaded from a
-        checkpoint that ``merge_rank_states`` made, or kept from a run with the selection; the
-        same on every rank) joins the next aggregate whole, once (the caller drops it): its
-        positions ``lo:hi``, the whole bucket or an owner's region; no mass is lost."""
-        st = self.state[b.index]
-        return st.downlink.buffer[lo:hi].to(device=device, dtype=st.downlink.dtype)
-
-    def _write_delta_payloads(self, b, payloads, scale, ops):
-        """``anchor += scale * payload`` for each payload in rank order (every rank adds the
-        same values in the same order: the replicas stay identical), then the parameters:
-        where the uplink scan put them back at the old anchor only the touched entries move
-        (O(P k)), else they are copied from the anchor once."""
-        anchor = self.state[b.index].anchor
-        at_anchor = b.index in self._params_at_anchor
-        twin = None
-        if at_anchor and len(b.params) == 1 and b.params[0].is_contiguous():
-            lo, hi = b.slices[0]
-            twin = b.params[0].detach().view(-1)[lo:hi]
-        for p in payloads:
-            if not p.indices.numel():
-                continue
-            values = p.values.to(anchor.dtype)
-            if twin is not None:
-                cpu.scatter_add_twin(anchor, twin, p.indices, values, scale)
-            elif at_anchor:
-                self._write_sparse(b, p.indices, values * scale, frozenset(), "delta", ops,
-                                   True)
-            else:
-                ops.scatter_add(anchor, p.indices, values, scale)
-        if not at_anchor:
-            self._restore_anchor(b)
-
-    def _write_delta(self, b, out):
-        self.state[b.index].anchor.add_(out)  # in place: the anchor is this engine's own
-        self._restore_anchor(b)
 
     # ----------------------------------------------------------------- non-finite
     def _nonfinite(self, bad: dict, received: dict, write: str) -> None:
@@ -1681,123 +1069,6 @@ class Engine:
                       if self.state[b.index].downlink.buffer is not None]
             safety.verify_replicas(self.transport, named, self.steps)
 
-    def _note_wire(self, b, gathered_bytes, positions) -> None:
-        w = self._wire.setdefault(b.index, [0, 0, 0])
-        w[0] += gathered_bytes
-        w[1] += positions
-        w[2] += 1
-
-    def _at_target_density(self) -> bool:
-        """This step runs at the configured densities (not on the warm-up's or the
-        cool-down's schedule): only such steps are measured for the cost model. A step of the
-        density warm-up sends up to all of a bucket and costs as much; measured there (at the
-        third step, 83% at 1% over a 47-step warm-up), every bucket of the 11.4M MLP was
-        priced dense for the rest of the run at 1 Gbit/s."""
-        c = self.config
-        return self.densities() == (c.density, c.downlink_density)
-
-    def calibration_step(self) -> int:
-        """The step count at which the time cost model calibrates: after the dense warm-up
-        and the density warm-up, ``calibration_steps`` steps at the configured density."""
-        c = self.config
-        warm, tau = max(c.dense_warmup_steps, c.density_warmup_steps), c.local_steps
-        # the first exchange past the warm-ups (under local_steps, the first whose optimizer
-        # step, tau * (j + 1) - 1, reaches them)
-        first = warm if tau == 1 else max(0, -(-(warm + 1) // tau) - 1)
-        return first + c.calibration_steps
-
-    def calibrate(self) -> None:
-        """Time the link, agree on every measurement (maximum over ranks), then choose per
-        bucket from time (own compute + allgather against a dense allreduce): sparse or dense,
-        and under ``index_coding="auto"`` plain or Golomb-Rice positions (codec time against
-        the wire time the shorter positions save)."""
-        c = self.config
-        size = self.transport.size()
-        device = self.buckets[0].params[0].device if self.buckets else "cpu"
-        sparse = [b for b in self.buckets if b.sparse]
-        times, large, probes = calibration.agreed_link(
-            self.transport, device, max((b.nbytes for b in self.buckets), default=0))
-        self.link = calibration.link_from(times, size, large)
-        self.stats.totals["calibration_bytes"] += probes  # not part of any step's exchange
-        n = len(sparse)
-        local = [self._measured.get(b.index, 0.0) for b in sparse]
-        wire = [self._wire.get(b.index, [0, 0, 1]) for b in sparse]
-        local += [w[0] / w[2] for w in wire]  # per exchange, on average
-        local += [w[1] / w[2] for w in wire]
-        # (the code is priced where numba codes it: without it the walk is a Python loop)
-        coding = c.index_coding == "auto" and torch.device(device).type == "cpu" and n > 0 \
-            and cpu.available()
-        if coding:
-            local += calibration.measure_codec(c.density)
-        agreed = calibration.agree_max(self.transport, local) if local else []
-        compute, gathered, entries = agreed[:n], agreed[n:2 * n], agreed[2 * n:3 * n]
-        self.codec = [float(x) for x in agreed[3 * n:]] if coding else None
-        by = "gather" if (c.deterministic_dense and size > 2) else "reduce"
-        # tensors that are always dense (small ones, below min_sparse_numel) make an allreduce
-        # every step, and where the transport fuses allreduces (Horovod) a bucket joining them
-        # pays its bytes but no latency of its own: pricing that latency sent a ResNet's 147 kB
-        # layer sparse, into a collective of its own, and its step was 9% slower than dense
-        # Horovod's (docs/results.md)
-        fused = by == "reduce" and self.transport.fuses_allreduces \
-            and any(not b.sparse for b in self.buckets)
-        ratio = c.downlink_density / c.density
-        for b, cs, nbytes, count in zip(sparse, compute, gathered, entries):
-            st = self.state[b.index]
-            if cs <= 0 and st.costs.get("gathered_bytes"):
-                # not measured in this process (resumed, or the world changed, while dense):
-                # the last measurement, saved with the choices (as plain positions), its bytes
-                # scaled to this world's number of payloads
-                cs = st.costs["compute_s"]
-                if nbytes <= 0:
-                    scale = size / st.costs.get("world", size)
-                    nbytes = st.costs["gathered_bytes"] * scale
-                    count = st.costs.get("entries", 0.0) * scale
-                    self._measured_coding.pop(b.index, None)
-            if nbytes <= 0:  # never went sparse: no measurement, keep the current choice
-                continue
-            cs_golomb = bytes_golomb = None
-            if coding and count > 0:
-                codec_s, _, saved = costmodel.golomb_trade(
-                    count, size, b.numel, _itemsize(b.index_dtype), *self.codec, self.link)
-                if self._measured_coding.get(b.index) == "golomb":  # its share out
-                    cs, nbytes = max(0.0, cs - codec_s), nbytes + saved
-                cs_golomb, bytes_golomb = cs + codec_s, nbytes - saved
-            t_gather = costmodel.sparse_time(cs, nbytes, self.link)
-            t_golomb = None if cs_golomb is None else \
-                costmodel.sparse_time(cs_golomb, bytes_golomb, self.link)
-            hist = sharded.HISTOGRAM_TENSOR_BYTES if self._global_rule(b) else 0
-            t_sharded = costmodel.sharded_time(cs, nbytes / size, size, self.link, ratio, hist)
-            recode = False
-            if coding:
-                choice = "golomb" if t_golomb is not None and t_golomb < t_gather else "plain"
-                recode, st.index_coding = choice != st.index_coding, choice
-                if choice == "golomb":
-                    t_gather = t_golomb
-            if c.collective == "auto":
-                self._set_collective(b, "sharded" if t_sharded < t_gather
-                                     and not self._exact_by_allgather(b) else "allgather")
-            t_sparse = t_sharded if self.collective(b) == "sharded" else t_gather
-            t_dense = costmodel.dense_time(b.nbytes, size, self.link, by, fused)
-            st.mode = "dense" if t_dense < t_sparse else "sparse"
-            if recode and st.mode == "sparse":  # measured anew under its new code (a bucket
-                # gone dense keeps what it was seen doing, for a later recalibration)
-                for seen in (self._measured, self._wire):
-                    seen.pop(b.index, None)
-            if st.mode == "dense" and self.collective(b) == "sharded":
-                # the first dense exchange flushes the downlink residual: it must be whole
-                self._regions_to_replicated(b)
-            # plain floats (the agreed measurements come as numpy's): the costs are replicated
-            # state, digested by repr and sent through torch.load(weights_only=True)
-            st.costs = {"sparse_s": float(t_sparse), "dense_s": float(t_dense),
-                        "compute_s": float(cs), "gathered_bytes": float(nbytes),
-                        "entries": float(count), "world": float(size),
-                        "allgather_s": float(t_gather), "sharded_s": float(t_sharded),
-                        "collective": self.collective(b), "index_coding": self.index_coding(b)}
-            if t_golomb is not None:
-                st.costs["golomb_allgather_s"] = float(t_golomb)
-        self.calibrated_at = self.steps
-        self.calibrated_world = size
-
     def downlink_paths(self) -> dict:
         """How the CPU downlink selections were made since the start: from the watched
         positions (``incremental``) or by a scan of the residual (``scanned``)."""
@@ -1805,147 +1076,8 @@ class Engine:
         return {"incremental": sum(w.incremental for w in watches),
                 "scanned": sum(w.scanned for w in watches)}
 
-    def cost_report(self) -> dict:
-        """The cost model's inputs and choices (part of ``communication_stats()``)."""
-        return {"rule": self.config.cost_model, "calibrated_at_step": self.calibrated_at,
-                "link": self.link.as_dict() if self.link else None,
-                "golomb_s_per_position": self.codec,
-                "buckets": {b.name: dict(self.state[b.index].costs,
-                                         mode=self.state[b.index].mode)
-                            for b in self.buckets if b.sparse}}
-
-    # ----------------------------------------------------------------- checkpoints
-    def consolidate(self) -> None:
-        """Collective (every rank, between steps): each sharded bucket's region residuals are
-        allgathered, so that this rank's ``state_dict()`` before the next step holds the whole
-        downlink residuals, as under the allgather collective, and a file saved by one rank
-        resumes every rank without losing the other owners' unsent aggregate."""
-        self._consolidated = {
-            b.index: self._gather_regions(b) for b in self.buckets
-            if b.sparse and self.collective(b) == "sharded"
-            and self.state[b.index].shard is not None}
-
-    def state_dict(self) -> dict:
-        t = self.transport
-        rep = self.replicated_state()
-        partial = False  # a region residual of this rank only
-        for b in self.buckets:
-            if b.sparse:
-                st = self.state[b.index]
-                entry = rep["buckets"][b.name]
-                entry["numel"] = b.numel
-                entry["downlink"] = st.downlink.state()
-                entry["uplink"] = st.uplink.state()
-                entry["velocity"] = st.velocity.state() if st.velocity else None
-                entry["load"] = None if st.load is None else st.load.clone()
-                entry["shard"] = None
-                if b.index in self._consolidated:
-                    entry["downlink"] = self._consolidated[b.index].clone()
-                elif st.shard is not None:
-                    entry["shard"] = {"layout": list(st.shard_layout),
-                                      "residual": st.shard.state()}
-                    partial = partial or st.shard.buffer is not None
-        if partial and t.rank() == 0 and t.size() > 1:
-            warnings.warn(checkpoint.PARTIAL_STATE_MESSAGE, checkpoint.ShardedStateWarning)
-        rep["anchors"] = {k: v.clone() for k, v in rep["anchors"].items()}
-        rep.update({"format": STATE_FORMAT, "world_size": t.size(), "rank": t.rank(),
-                    "stats": self.stats.state_dict(), "average": self.config.average,
-                    "bidirectional": self.config.bidirectional})
-        return checkpoint.loadable(rep)
-
-    def load_state_dict(self, extra: dict) -> None:
-        """Restore the engine's state. The rule for a state saved elsewhere:
-
-        * saved by this rank in a job of the same size: everything is restored exactly;
-        * saved by another rank, or by a job of another size (a rank-0 checkpoint loaded on all
-          ranks, ``hvd.elastic`` after workers came or went): the replicated parts (downlink
-          residuals, counters, sparsifier state, cost-model choices) are restored and this rank
-          keeps its *own* uplink residuals and velocity as they are in memory (zeros in a fresh
-          process). The uplink residual of a rank that is gone (a departed elastic worker) is
-          lost: its unsent gradient mass is dropped, a bounded loss of small entries.
-
-        Before the next exchange the ranks compare their replicated state and adopt rank 0's
-        where it differs (:mod:`hvd_sparse.engine.agreement`), so loading on rank 0 only and
-        then calling ``broadcast_optimizer_state`` on every rank leaves all replicas equal.
-        """
-        t = self.transport
-        if extra.get("format") != STATE_FORMAT:
-            raise ValueError(f"hvd_sparse state has format {extra.get('format')}, "
-                             f"this version reads {STATE_FORMAT}")
-        saved = extra["buckets"]
-        mine = {b.name: b for b in self.buckets if b.sparse}
-        if set(saved) != set(mine):
-            raise ValueError("the checkpoint's sparse buckets differ from this optimizer's: "
-                             f"missing {sorted(set(mine) - set(saved))}, "
-                             f"unexpected {sorted(set(saved) - set(mine))} (made with another "
-                             "scope or model? The default scope='auto' selects over the whole "
-                             "model below 1% density (earlier: per tensor); pass the scope the "
-                             "checkpoint was made with, e.g. scope='tensor')")
-        for bname, b in mine.items():
-            if saved[bname]["numel"] != b.numel:
-                raise ValueError(f"bucket '{bname}' has {saved[bname]['numel']} entries in the "
-                                 f"checkpoint and {b.numel} here")
-        own = extra["rank"] == t.rank() and extra["world_size"] == t.size()
-        fresh = all(self.state[b.index].uplink.buffer is None for b in mine.values())
-        if not own and fresh and any(v["uplink"] is not None for v in saved.values()):
-            warnings.warn(
-                f"hvd_sparse state from rank {extra['rank']} of {extra['world_size']} loaded on "
-                f"rank {t.rank()} of {t.size()}: downlink residuals and counters restored; this "
-                "rank's uplink residuals start from zero (save one state dict per rank to keep "
-                "them)")
-        self.load_replicated(extra)
-        if own:
-            for bname, b in mine.items():
-                st = self.state[b.index]
-                up = saved[bname]["uplink"]
-                st.uplink.load(None if up is None else up.to(b.params[0].device))
-                if st.velocity is not None:
-                    v = saved[bname].get("velocity")
-                    st.velocity.load(None if v is None else v.to(b.params[0].device))
-        self._load_shards(saved, mine, own)
-        self.stats.load_state_dict(extra.get("stats", {}))
-        self._consolidated.clear()
-        self.agreement_due = True
-
-    def _load_shards(self, saved, mine, own) -> None:
-        """Sharded exchange: a region residual is restored on the rank that saved it, in a
-        job of the same size; elsewhere the region starts from zero, with a warning."""
-        dropped = []
-        for bname, b in mine.items():
-            st = self.state[b.index]
-            entry = saved[bname].get("shard")
-            st.shard, st.shard_layout = None, None
-            if entry is None:
-                continue
-            if own:
-                st.shard = Residual(len(range(*entry["layout"][2:])), st.downlink.dtype)
-                st.shard.load(entry["residual"].to(b.params[0].device)
-                              if entry["residual"] is not None else None)
-                st.shard_layout = tuple(entry["layout"])
-            elif entry["residual"] is not None and bool(entry["residual"].any()):
-                dropped.append(bname)
-        if dropped:
-            warnings.warn(
-                f"sharded exchange: the region residuals of {', '.join(dropped)} were saved by "
-                "another rank or world size and start from zero on rank "
-                f"{self.transport.rank()} of {self.transport.size()}: each is held by its "
-                "owner alone and cannot be re-sharded from one rank's file; to keep them, "
-                "save one state dict per rank and resume each rank from its own with the "
-                "same number of ranks, or load hvd_sparse.merge_rank_states(all of them) on "
-                "every rank of a job of any size")
-
     def reset_round(self):
         self.inflight.clear()
         self._params_at_anchor.clear()
         self._snapshots.clear()
         self._sparsifier_snapshot = None
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """One vectorised read, no temporary: a sum is finite exactly when every entry is, short of
-    the sum itself overflowing (entries summing past 3e38, which is taken as non-finite too).
-    ``torch.isfinite(t).all()`` costs ~30x more on the CPU (a bool tensor, then a reduction).
-    Half-precision tensors sum in float32: a float16 sum overflows past 65504, and 70,000
-    gradient entries of 1.0 read as non-finite (AdamW's local step skipped every step)."""
-    wide = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None
-    return bool(torch.isfinite(t.sum(dtype=wide)))

@@ -67,8 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-epoch", type=int, default=200, help="text data sets only")
     p.add_argument("--batch-size", type=int, default=None, help="per rank")
     p.add_argument("--lr", type=float, default=None,
-                   help="default: 3e-3 for AdamW; for SGD per data set and model, scaled by "
-                        "the rank count")
+                   help="default: 3e-3 for AdamW; for SGD per data set and model. SGD's rate, "
+                        "given or not, is multiplied by the rank count")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--base-optimizer", default="sgd", choices=["sgd", "adamw"],
                    help="the optimizer wrapped: SGD with momentum (lr scaled by the rank count) "
@@ -108,8 +108,7 @@ def parse_args(argv=None):
     p.add_argument("--exchange", default="auto", choices=["auto", "gradient", "update"],
                    help="what hvd_sparse sparsifies: gradients (Horovod's contract) or each "
                         "rank's optimizer update (auto: updates, except gradients for SGD with "
-                        "--momentum-correction or --density-cooldown-steps; see "
-                        "exchange_defaults)")
+                        "--momentum-correction; see exchange_defaults)")
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N images")
     p.add_argument("--test-limit", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)

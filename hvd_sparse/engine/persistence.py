@@ -1,0 +1,187 @@
+"""The engine's checkpoint: replicated state (the same on every rank) and per-rank state.
+
+Replicated: step counts, downlink residuals, cost choices, anchors, sparsifier state; compared
+across ranks before an exchange and broadcast from a root where they differ. Per rank: the
+uplink residuals, momentum-correction velocity and, under the sharded collective, the region
+residual a rank owns. ``state_dict`` is versioned (``STATE_FORMAT``).
+"""
+from __future__ import annotations
+
+import warnings
+
+from .. import checkpoint
+from ..feedback import Residual
+
+STATE_FORMAT = 1
+
+
+class Checkpointing:
+    """The :class:`~hvd_sparse.engine.pipeline.Engine` methods that save and restore it."""
+
+    def replicated_state(self) -> dict:
+        """What every rank holds identically (the tensors themselves, not copies)."""
+        return {
+            "steps": self.steps,
+            "local_count": self.local_count,
+            "calibrated_at": self.calibrated_at,
+            "calibrated_world": self.calibrated_world,
+            "buckets": {b.name: {"downlink": self.state[b.index].downlink.buffer,
+                                 "mode": self.state[b.index].mode,
+                                 "collective": self.state[b.index].collective,
+                                 "bounds": self.state[b.index].bounds,
+                                 "load": self.state[b.index].load,
+                                 "costs": dict(self.state[b.index].costs)}
+                        for b in self.buckets if b.sparse},
+            "anchors": {b.name: self.state[b.index].anchor for b in self.buckets
+                        if self.state[b.index].anchor is not None},
+            "sparsifier": self.config.sparsifier.state_dict(),
+            "downlink_sparsifier": self.config.downlink_sparsifier.state_dict(),
+        }
+
+    def load_replicated(self, saved: dict) -> None:
+        """Adopt replicated state (from :meth:`replicated_state` or a checkpoint), each tensor
+        moved to the device of its bucket's parameters."""
+        buckets = saved["buckets"]
+        for b in self.buckets:
+            st = self.state[b.index]
+            device = b.params[0].device
+            if b.sparse:
+                entry = buckets[b.name]
+                d = entry["downlink"]
+                st.downlink.load(None if d is None else d.to(device))
+                st.mode = entry.get("mode", "sparse")
+                st.collective = entry.get("collective", st.collective)
+                bounds = entry.get("bounds")
+                st.bounds = None if bounds is None else tuple(int(x) for x in bounds)
+                load = entry.get("load")
+                st.load = None if load is None else load.double().to(device).clone()
+                st.costs = dict(entry.get("costs", {}))
+                if self.config.index_coding == "auto":
+                    st.index_coding = st.costs.get("index_coding", "plain")
+            a = saved.get("anchors", {}).get(b.name)
+            st.anchor = None if a is None else a.to(device).clone()
+        self.steps = int(saved.get("steps", 0))
+        self.local_count = int(saved.get("local_count", 0))
+        self.calibrated_at = saved.get("calibrated_at")
+        self.calibrated_world = saved.get("calibrated_world")
+        self.config.sparsifier.load_state_dict(saved.get("sparsifier", {}))
+        self.config.downlink_sparsifier.load_state_dict(saved.get("downlink_sparsifier", {}))
+
+    def consolidate(self) -> None:
+        """Collective (every rank, between steps): each sharded bucket's region residuals are
+        allgathered, so that this rank's ``state_dict()`` before the next step holds the whole
+        downlink residuals, as under the allgather collective, and a file saved by one rank
+        resumes every rank without losing the other owners' unsent aggregate."""
+        self._consolidated = {
+            b.index: self._gather_regions(b) for b in self.buckets
+            if b.sparse and self.collective(b) == "sharded"
+            and self.state[b.index].shard is not None}
+
+    def state_dict(self) -> dict:
+        t = self.transport
+        rep = self.replicated_state()
+        partial = False  # a region residual of this rank only
+        for b in self.buckets:
+            if b.sparse:
+                st = self.state[b.index]
+                entry = rep["buckets"][b.name]
+                entry["numel"] = b.numel
+                entry["downlink"] = st.downlink.state()
+                entry["uplink"] = st.uplink.state()
+                entry["velocity"] = st.velocity.state() if st.velocity else None
+                entry["load"] = None if st.load is None else st.load.clone()
+                entry["shard"] = None
+                if b.index in self._consolidated:
+                    entry["downlink"] = self._consolidated[b.index].clone()
+                elif st.shard is not None:
+                    entry["shard"] = {"layout": list(st.shard_layout),
+                                      "residual": st.shard.state()}
+                    partial = partial or st.shard.buffer is not None
+        if partial and t.rank() == 0 and t.size() > 1:
+            warnings.warn(checkpoint.PARTIAL_STATE_MESSAGE, checkpoint.ShardedStateWarning)
+        rep["anchors"] = {k: v.clone() for k, v in rep["anchors"].items()}
+        rep.update({"format": STATE_FORMAT, "world_size": t.size(), "rank": t.rank(),
+                    "stats": self.stats.state_dict(), "average": self.config.average,
+                    "bidirectional": self.config.bidirectional})
+        return checkpoint.loadable(rep)
+
+    def load_state_dict(self, extra: dict) -> None:
+        """Restore the engine's state. The rule for a state saved elsewhere:
+
+        * saved by this rank in a job of the same size: everything is restored exactly;
+        * saved by another rank, or by a job of another size (a rank-0 checkpoint loaded on all
+          ranks, ``hvd.elastic`` after workers came or went): the replicated parts (downlink
+          residuals, counters, sparsifier state, cost-model choices) are restored and this rank
+          keeps its *own* uplink residuals and velocity as they are in memory (zeros in a fresh
+          process). The uplink residual of a rank that is gone (a departed elastic worker) is
+          lost: its unsent gradient mass is dropped, a bounded loss of small entries.
+
+        Before the next exchange the ranks compare their replicated state and adopt rank 0's
+        where it differs (:mod:`hvd_sparse.engine.agreement`), so loading on rank 0 only and
+        then calling ``broadcast_optimizer_state`` on every rank leaves all replicas equal.
+        """
+        t = self.transport
+        if extra.get("format") != STATE_FORMAT:
+            raise ValueError(f"hvd_sparse state has format {extra.get('format')}, "
+                             f"this version reads {STATE_FORMAT}")
+        saved = extra["buckets"]
+        mine = {b.name: b for b in self.buckets if b.sparse}
+        if set(saved) != set(mine):
+            raise ValueError("the checkpoint's sparse buckets differ from this optimizer's: "
+                             f"missing {sorted(set(mine) - set(saved))}, "
+                             f"unexpected {sorted(set(saved) - set(mine))} (made with another "
+                             "scope or model? The default scope='auto' selects over the whole "
+                             "model below 1% density (earlier: per tensor); pass the scope the "
+                             "checkpoint was made with, e.g. scope='tensor')")
+        for bname, b in mine.items():
+            if saved[bname]["numel"] != b.numel:
+                raise ValueError(f"bucket '{bname}' has {saved[bname]['numel']} entries in the "
+                                 f"checkpoint and {b.numel} here")
+        own = extra["rank"] == t.rank() and extra["world_size"] == t.size()
+        fresh = all(self.state[b.index].uplink.buffer is None for b in mine.values())
+        if not own and fresh and any(v["uplink"] is not None for v in saved.values()):
+            warnings.warn(
+                f"hvd_sparse state from rank {extra['rank']} of {extra['world_size']} loaded on "
+                f"rank {t.rank()} of {t.size()}: downlink residuals and counters restored; this "
+                "rank's uplink residuals start from zero (save one state dict per rank to keep "
+                "them)")
+        self.load_replicated(extra)
+        if own:
+            for bname, b in mine.items():
+                st = self.state[b.index]
+                up = saved[bname]["uplink"]
+                st.uplink.load(None if up is None else up.to(b.params[0].device))
+                if st.velocity is not None:
+                    v = saved[bname].get("velocity")
+                    st.velocity.load(None if v is None else v.to(b.params[0].device))
+        self._load_shards(saved, mine, own)
+        self.stats.load_state_dict(extra.get("stats", {}))
+        self._consolidated.clear()
+        self.agreement_due = True
+
+    def _load_shards(self, saved, mine, own) -> None:
+        """Sharded exchange: a region residual is restored on the rank that saved it, in a
+        job of the same size; elsewhere the region starts from zero, with a warning."""
+        dropped = []
+        for bname, b in mine.items():
+            st = self.state[b.index]
+            entry = saved[bname].get("shard")
+            st.shard, st.shard_layout = None, None
+            if entry is None:
+                continue
+            if own:
+                st.shard = Residual(len(range(*entry["layout"][2:])), st.downlink.dtype)
+                st.shard.load(entry["residual"].to(b.params[0].device)
+                              if entry["residual"] is not None else None)
+                st.shard_layout = tuple(entry["layout"])
+            elif entry["residual"] is not None and bool(entry["residual"].any()):
+                dropped.append(bname)
+        if dropped:
+            warnings.warn(
+                f"sharded exchange: the region residuals of {', '.join(dropped)} were saved by "
+                "another rank or world size and start from zero on rank "
+                f"{self.transport.rank()} of {self.transport.size()}: each is held by its "
+                "owner alone and cannot be re-sharded from one rank's file; to keep them, "
+                "save one state dict per rank and resume each rank from its own with the "
+                "same number of ranks, or load hvd_sparse.merge_rank_states(all of them) on "
+                "every rank of a job of any size")
