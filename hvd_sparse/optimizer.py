@@ -27,6 +27,17 @@ STATE_KEY = "hvd_sparse"
 _LIVE = weakref.WeakSet()  # every optimizer made here, while it lives (for hvd_sparse.join)
 
 
+
+def _grad_accumulator(p: torch.Tensor):
+    """``p``'s AccumulateGrad node. A hook on it runs once ``p.grad`` is final: after every
+    post-accumulate-grad hook, however late the user registered it, which is where Horovod's
+    optimizer hooks too (a gradient hook added after wrapping is part of what is exchanged;
+    a ``register_post_accumulate_grad_hook`` of ours, made at wrapping, ran before it, read the
+    gradient early and raced its in-place edits with the allreduce)."""
+    with torch.enable_grad():
+        return p.view_as(p).grad_fn.next_functions[0][0]
+
+
 class _SparseDistributedOptimizer(torch.optim.Optimizer):
     """Methods grafted onto a subclass of the user's optimizer class (see ``DistributedOptimizer``).
 
@@ -72,20 +83,22 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_passthrough = (isinstance(engine.transport, HorovodTransport)
                                 and engine.transport.size() == 1
                                 and os.environ.get("HOROVOD_ELASTIC") != "1")
+        self._hs_grad_accs = []  # the AccumulateGrad nodes hooked: kept alive while we are
         if engine.transport.included() and not self._hs_passthrough:
             for p in self._hs_buckets_of:
-                self._hs_hook_handles.append(
-                    p.register_post_accumulate_grad_hook(self._hs_make_hook()))
+                acc = _grad_accumulator(p)
+                self._hs_grad_accs.append(acc)
+                self._hs_hook_handles.append(acc.register_hook(self._hs_make_hook(p)))
 
     # ----------------------------------------------------------------- hooks
-    def _hs_make_hook(self):
-        # the hook lives on the parameter, where Python's collector does not see it: a strong
-        # reference to the optimizer or to the parameter from it would keep the optimizer,
-        # its residuals and the model alive for the whole process (a leak per optimizer
-        # made); the parameter comes as the hook's argument
+    def _hs_make_hook(self, p):
+        # the hook lives on p's AccumulateGrad node, which this optimizer holds and p only
+        # references weakly; a strong reference to the optimizer from the hook would still
+        # keep it, its residuals and the model alive through autograd's own references
+        # (a leak per optimizer made)
         owner = weakref.ref(self)
 
-        def hook(p):
+        def hook(*_):
             self = owner()
             if self is None:
                 return
@@ -671,9 +684,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
 
     named = _named_parameters(optimizer, named_parameters)
     name_of = {id(p): n for n, p in named}
-    trainable = []
+    trainable, listed = [], set()
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if id(p) in listed:  # torch only warns; each copy would take a bucket's budget
+                raise ValueError(f"parameter '{name_of[id(p)]}' is listed twice in the "
+                                 "optimizer's param groups; list each parameter once")
+            listed.add(id(p))
             if not p.requires_grad:
                 continue  # frozen: not exchanged, as in Horovod
             if not p.dtype.is_floating_point:

@@ -135,6 +135,17 @@ def test_step_hooks_fire_once_and_post_hooks_see_the_exchanged_parameters(dropin
         assert r[f"hooks_{exchange}_post_saw_result"]
 
 
+@pytest.mark.parametrize("hook", ["clip", "relayout"])
+@pytest.mark.parametrize("density", ["1", "0.1"])
+def test_a_gradient_hook_registered_after_wrapping_is_exchanged(dropin, hook, density):
+    """Horovod hooks where a post-accumulate-grad hook added later still runs first: a clip
+    (or a layout change of ``p.grad``) registered after wrapping gives the result of the same
+    hook registered before, on every rank (dense buckets raced it, sparse ones missed it)."""
+    for r in dropin:
+        assert r[f"late_hook_{hook}_{density}_equal"]
+        assert r[f"late_hook_{hook}_{density}_replicas"]
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_non_contiguous_parameters_train_as_row_major_ones(dropin, optimizer):
     """channels_last and transposed parameters: gradients (SGD) and updates (AdamW) exchanged

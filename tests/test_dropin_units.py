@@ -956,3 +956,18 @@ def test_adaptive_topk_spends_its_budget_over_the_exchanges_it_makes(local_steps
     budget = 0.01 * n * exchanges
     assert len(picked) == exchanges
     assert 0.97 * budget <= sum(picked) <= budget + 1
+
+
+@pytest.mark.parametrize("scope", ["tensor", "model"])
+def test_a_parameter_listed_twice_is_refused_at_wrapping(scope):
+    """torch only warns about a parameter listed twice in a group; each copy then took a
+    place in a bucket (twice the budget, the second write zeroing the first's entries) or,
+    per tensor, failed with an unrelated message about bucket names."""
+    m = torch.nn.Sequential(torch.nn.Linear(40, 40), torch.nn.Linear(40, 2))
+    params = list(m.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own warning about the duplicate
+        base = torch.optim.SGD(params + [params[0]], lr=0.1)
+    with pytest.raises(ValueError, match="'0.weight' is listed twice"):
+        hvd_sparse.DistributedOptimizer(base, named_parameters=m.named_parameters(),
+                                        scope=scope, transport=LocalTransport())

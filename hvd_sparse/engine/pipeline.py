@@ -985,9 +985,12 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             c.sparsifier.load_state_dict(self._sparsifier_snapshot[0])
             c.downlink_sparsifier.load_state_dict(self._sparsifier_snapshot[1])
         self.stats.nonfinite_steps += 1
+        # exchanged updates: the local step's change went non-finite (from a non-finite
+        # gradient, or in the step itself, as AdamW's in float16 with eps=1e-8)
+        what = "weight change (a rank's optimizer step)" if write == "delta" else "gradient"
         if c.nonfinite == "raise":
             raise safety.NonFiniteGradientError(
-                f"non-finite gradient at step {self.steps}: {where}{mine}. Nothing of it "
+                f"non-finite {what} at step {self.steps}: {where}{mine}. Nothing of it "
                 "entered the residuals on any rank. Pass nonfinite='propagate' to hand it to "
                 "a loss scaler as dense Horovod does, or 'skip' to skip such steps.")
         if c.nonfinite == "propagate" and write == "grads":
@@ -1001,7 +1004,7 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
                 self._restore_anchor(b)  # the weight change was not finite: start again
         self.skip_step = True
         self.stats.skipped += 1
-        warnings.warn(f"skipping step {self.steps} on every rank: non-finite gradient in "
+        warnings.warn(f"skipping step {self.steps} on every rank: non-finite {what} in "
                       f"{where}{mine}")
 
     def _exchange_raw(self, received: dict) -> None:

@@ -338,6 +338,39 @@ def scenario_update_exchange(res):
     res["update_adam_state_per_rank"] = not same_everywhere(state)
 
 
+def scenario_gradient_hooks_after_wrapping(res):
+    """A per-parameter gradient hook registered after wrapping (a clip, a layout change of
+    ``p.grad``) is part of what is exchanged, as under Horovod, whose hook runs after every
+    post-accumulate-grad hook: the result equals the same hook registered before wrapping,
+    bit for bit, on every rank. Ours used to run first: a sparse bucket read the gradient
+    unclipped, and a dense one was allreduced in place while the hook still wrote to it."""
+    def clip(p):
+        p.grad.clamp_(-0.02, 0.02)
+
+    def relayout(p):  # the same values in column-major storage
+        if p.grad.dim() == 2:
+            p.grad = p.grad.t().contiguous().t()
+
+    for name, hook in (("clip", clip), ("relayout", relayout)):
+        for density in (1.0, 0.1):
+            ends = {}
+            for when in ("before", "after"):
+                m = model()
+                if when == "before":
+                    handles = [p.register_post_accumulate_grad_hook(hook) for p in m.parameters()]
+                opt = make(m, density=density)
+                if when == "after":
+                    handles = [p.register_post_accumulate_grad_hook(hook) for p in m.parameters()]
+                for i in range(5):
+                    step(m, opt, i)
+                for h in handles:
+                    h.remove()
+                ends[when] = params(m)
+            key = f"late_hook_{name}_{density:g}"
+            res[key + "_equal"] = bool(torch.equal(ends["before"], ends["after"]))
+            res[key + "_replicas"] = same_everywhere(ends["after"])
+
+
 def scenario_step_hooks(res):
     """Step pre- and post-hooks (the optimizer's own and torch's global ones) fire once per
     step; the post-hooks see the exchanged parameters, identical on every rank, also where
@@ -587,7 +620,8 @@ def scenario_collective_helpers(res):
             tr.ALLREDUCE_CHUNK = piece
 
 
-SCENARIOS = [scenario_update_exchange, scenario_step_hooks, scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
+SCENARIOS = [scenario_update_exchange, scenario_step_hooks, scenario_gradient_hooks_after_wrapping,
+             scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
              scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
              scenario_sparse_embedding, scenario_memory_layouts, scenario_bfloat16_dense_tensor,
              scenario_step_with_closure, scenario_checkpoint_loads_weights_only,
