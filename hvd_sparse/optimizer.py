@@ -77,6 +77,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_touched = False
         self._synchronized = False
         self._should_synchronize = True
+        self._hs_warned_discard = False  # zero_grad's warning about a discarded exchange
         self._hs_hook_handles = []
         # one process under Horovod (not elastic, where workers may join): Horovod's optimizer
         # is then the wrapped one itself, without hooks or their guards; so is this one
@@ -399,6 +400,17 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
                                  "but before optimizer.step() or optimizer.synchronize(). "
                                  "This is prohibited as it can cause a race condition.")
+        if self._synchronized and self._hs_engine.kept_unsent and not self._hs_warned_discard:
+            self._hs_warned_discard = True
+            warnings.warn(
+                "hvd_sparse: the gradients exchanged by synchronize() are being discarded "
+                "without a step() (Horovod's GAN pattern: another loss's backward reached "
+                "this optimizer's parameters, then synchronize() and zero_grad()). What the "
+                "sparse exchange did not send of them stays in the error-feedback residuals "
+                "and reaches the weights in later steps, which dense Horovod never does. Keep "
+                "such a backward away from these parameters instead (requires_grad_(False) "
+                "on the module, or detach()), so that nothing is exchanged for it.",
+                stacklevel=2)
         return self._hs_base.zero_grad(self, *args, **kwargs)
 
     def set_backward_passes_per_step(self, passes):

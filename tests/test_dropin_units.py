@@ -971,3 +971,35 @@ def test_a_parameter_listed_twice_is_refused_at_wrapping(scope):
     with pytest.raises(ValueError, match="'0.weight' is listed twice"):
         hvd_sparse.DistributedOptimizer(base, named_parameters=m.named_parameters(),
                                         scope=scope, transport=LocalTransport())
+
+
+def _discard_after_synchronize(density, exchange="gradient", stepped=False):
+    """Warnings about a discarded exchange over two rounds of backward, synchronize(),
+    [step(),] zero_grad()."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 32)
+    opt = hvd_sparse.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+        density=density, cost_model="off", exchange=exchange, transport=LocalTransport())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            m(torch.randn(4, 64)).sum().backward()
+            opt.synchronize()
+            if stepped:
+                with opt.skip_synchronize():
+                    opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in seen if "discarded" in str(w.message)]
+
+
+def test_a_sparse_exchange_discarded_by_zero_grad_warns_once():
+    """Horovod's GAN pattern (``synchronize()`` then ``zero_grad()``, no ``step()``) throws the
+    exchanged gradient away; under error feedback its unsent part stays in the residuals and
+    reaches the weights later, so the user is told, once, how to keep it out. Nothing is said
+    where the exchange was stepped, was dense (density 1) or exchanged no gradients."""
+    got = _discard_after_synchronize(0.05)
+    assert len(got) == 1 and "requires_grad_(False)" in got[0]
+    assert _discard_after_synchronize(0.05, stepped=True) == []
+    assert _discard_after_synchronize(1.0) == []
+    assert _discard_after_synchronize(0.05, exchange="update") == []

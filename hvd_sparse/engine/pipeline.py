@@ -129,6 +129,9 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         self.agreement_root = 0
         self._agreed_size: Optional[int] = None
         self.skip_step = False
+        # the last finish() kept unsent mass in residuals (a sparse exchange that was not
+        # rolled back): what it wrote is owed a step (see the optimizer's zero_grad)
+        self.kept_unsent = False
         self._snapshots = {}  # residuals a non-finite step must give back (plain path, flush)
         self._sent = {}  # momentum_masking: per bucket, the positions this rank sent last
         # buckets whose uplink scan put the parameters back at the anchor (exchanged updates)
@@ -680,6 +683,7 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         for b in self.launch_order:
             if b.index not in self.inflight:
                 self.launch(b)
+        self.kept_unsent = False
         try:
             received, bad = {}, {}
             check = self._dense_check_needed(write)
@@ -690,6 +694,8 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             if bad:
                 self._nonfinite(bad, received, write)
             else:
+                self.kept_unsent = write == "grads" and any(
+                    self.inflight[b.index].kind in ("sparse", "sharded") for b in self.buckets)
                 served = []
                 for b in self.buckets:
                     self._commit_uplink(b, write)
