@@ -72,13 +72,15 @@ def payload_nbytes(count: int, index_dtype: torch.dtype, value_dtype: torch.dtyp
                    constant: bool = False) -> int:
     """Exact size in bytes of a plain-index payload with ``count`` entries."""
     ib = count * _size(index_dtype)
-    vb = (1 if constant else count) * _size(value_dtype)
+    vb = (min(count, 1) if constant else count) * _size(value_dtype)  # none when empty
     return HEADER_BYTES + ib + _pad8(ib) + vb + _pad8(vb)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:  # an empty tensor may carry any stride, which view() rejects
         return torch.empty(0, dtype=torch.uint8, device=t.device)
+    if t.stride(-1) != 1:  # an expanded one (a constant's value) is "contiguous" at length 1
+        t = t.clone(memory_format=torch.contiguous_format)
     return t.contiguous().view(torch.uint8).reshape(-1)
 
 
@@ -107,6 +109,8 @@ def encode(indices: torch.Tensor, values: torch.Tensor, *, index_dtype: torch.dt
     vcode = _VALUE_CODE[values.dtype] | (CONSTANT if constant else 0) | \
         (NONFINITE if nonfinite else 0)
     if index_coding == "golomb":
+        if not numel and count:  # the vector's length unknown: at least past the last index
+            numel = int(indices.max()) + 1
         b = golomb.optimal_parameter(count / numel if numel else 0.0)
         index_section = golomb.encode_tensor(indices, b).to(device)  # coded where they lie
         head = HEADER.pack(MAGIC, VERSION, GOLOMB, vcode, tag & 0xFFFFFFFF, count) + \

@@ -383,3 +383,51 @@ def test_every_sparsifier_conserves_mass_in_the_optimizer(name):
                 assert torch.equal(rebuilt, acc[n]), (name, n, step)
     stats = opt.communication_stats()
     assert stats["totals"]["compression_error"] > 0
+
+
+@pytest.mark.parametrize("numel,density,k", [(100, 0.07, 7), (10_000, 0.07, 700),
+                                             (3_000, 0.55, 1_650), (700, 0.07, 49),
+                                             (100, 0.14, 14), (3, 0.5, 2), (1_000, 0.0015, 2)])
+def test_k_is_the_ceiling_of_the_density_as_written(numel, density, k):
+    """``0.07 * 100`` is 7.000000000000001 in floating point: its ceiling kept 8 entries."""
+    from hvd_sparse.sparsifiers import k_for_density
+
+    assert k_for_density(numel, density) == k
+
+
+def test_gaussiank_band_rounds_its_lower_bound_up():
+    """k = 3 with slack 2 accepts 2 to 6 entries: a count of 1 lies below k / slack (1.5)."""
+    assert GaussianK(slack=2.0).bounds(3) == (2, 6)
+    assert GaussianK(slack=2.0).bounds(4) == (2, 8)
+
+
+def test_adaptive_refuses_a_floor_above_the_density():
+    """``min_density`` above the run's density would spend past the budget every step."""
+    s = AdaptiveTopK(total_steps=20, min_density=0.05)
+    with pytest.raises(ValueError, match="min_density <= density"):
+        s.k_for_step(10_000, 0.01, "b")
+    assert AdaptiveTopK(total_steps=20, min_density=0.005).k_for_step(10_000, 0.01, "b") > 0
+
+
+def test_wire_golomb_without_numel_and_constant_payload_edges():
+    """Golomb positions coded without the vector's length take its bound from the last index
+    (the Rice parameter was 0: unary gaps, 24x the size); an expanded constant value (as
+    decoding hands it back) encodes; an empty constant payload's size is what encode writes."""
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randperm(1_000_000, generator=g)[:1000].sort().values.to(torch.int32)
+    vals = torch.randn(1000, generator=g)
+    known = wire.encode(idx, vals, index_dtype=torch.int32, tag=1, numel=1_000_000,
+                        index_coding="golomb")
+    guessed = wire.encode(idx, vals, index_dtype=torch.int32, tag=1, index_coding="golomb")
+    assert guessed.numel() <= known.numel() * 1.05
+    (p,) = wire.decode_all(guessed, 1, tag=1, numel=1_000_000, bucket="b")
+    assert torch.equal(p.indices.to(torch.int32), idx) and torch.equal(p.values, vals)
+    shared = torch.tensor([0.25]).expand(1000)
+    buf = wire.encode(idx, shared, index_dtype=torch.int32, tag=2, numel=1_000_000,
+                      constant=True)
+    (p,) = wire.decode_all(buf, 1, tag=2, numel=1_000_000, bucket="b")
+    assert torch.equal(p.indices.to(torch.int32), idx) and bool((p.values == 0.25).all())
+    empty = wire.encode(idx[:0], vals[:0], index_dtype=torch.int32, tag=3, constant=True)
+    assert wire.payload_nbytes(0, torch.int32, torch.float32, constant=True) == empty.numel()
+    assert wire.payload_nbytes(5, torch.int32, torch.float32, constant=True) == wire.encode(
+        idx[:5], vals[:5], index_dtype=torch.int32, tag=3, constant=True).numel()

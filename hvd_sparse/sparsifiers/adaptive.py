@@ -15,6 +15,9 @@ The rule implemented here, per bucket:
 * ``k_t = clip(round(R_t / r_t * (s_t / s_bar) ** gamma), k_min, k_max)``, with ``R_t`` the budget
   left and ``r_t`` the steps left, and never more than leaves ``k_min`` for each remaining step,
   so the total never exceeds ``B`` (after ``total_steps`` it falls back to ``k_min``).
+  ``min_density`` above ``density`` is refused (the floor alone would overspend), and
+  ``k_min`` is at least one entry, as every method's k is: a bucket of fewer than
+  ``1 / density`` entries sends one per step, more than its share.
 
 Without ``total_steps`` (a run of unknown length) the budget accrues at ``density * n`` per step
 and is planned over a rolling horizon of ``horizon`` steps: the same rule with ``R_t`` the budget
@@ -98,6 +101,9 @@ class AdaptiveTopK(Sparsifier):
         st = self.buckets.get(bucket) or self._FRESH  # read only
         lo_d = self.min_density if self.min_density is not None else density / 10
         hi_d = self.max_density if self.max_density is not None else min(1.0, density * 10)
+        if not lo_d <= density <= hi_d:  # the floor alone would overspend the budget
+            raise ValueError(f"adaptive Top-K needs min_density <= density <= max_density, got "
+                             f"{lo_d!r}, {density!r}, {hi_d!r}")
         k_min, k_max = k_for_density(numel, lo_d), k_for_density(numel, hi_d)
         if self.total_steps is None:  # rolling horizon: the budget accrues step by step
             left_steps = self.horizon

@@ -45,10 +45,12 @@ def k_for_density(numel: int, density: float) -> int:
     """Entries kept for a given density: ceil(density * n), at least one, at most n.
 
     Depends only on (numel, density), so every rank derives the same k for the same bucket.
+    The product's rounding is forgiven: ``0.07 * 100`` is 7.000000000000001 in floating
+    point, whose ceiling would keep 8 entries where 7 are asked for.
     """
     if numel <= 0:
         return 0
-    return min(numel, max(1, math.ceil(density * numel)))
+    return min(numel, max(1, math.ceil(density * numel * (1.0 - 1e-12))))
 
 
 def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ Sorting or a selection network over the whole gradient is what makes exact Top-K
 GaussianK instead assumes the error-compensated gradient is roughly normal, N(mu, sigma^2),
 and takes the threshold whose two-sided tail holds the target fraction ``rho``:
 ``t = |mu| + sigma * Phi^-1(1 - rho / 2)``. Here mu and sigma come from a fixed sample of the
-vector (64 contiguous blocks, a few thousand entries; the whole vector when it is short), so
+vector (blocks of 64 entries, up to 65,536 entries; the whole vector when it is short), so
 the fit costs no pass over the data. Real gradients have heavier tails than a normal, so the
 count at ``t`` is checked and ``t`` corrected, a bounded number of times, until the count lies in
 ``[k / slack, k * slack]``. Each check is one read-only scan and one host read (the count).
@@ -21,6 +21,8 @@ the candidates (too many) or over the whole vector (too few) makes the result la
 the band is a guarantee.
 """
 from __future__ import annotations
+
+import math
 
 from ..kernels import reference
 from ..kernels import select as fused_select
@@ -42,7 +44,7 @@ class GaussianK(Sparsifier):
 
     def bounds(self, k: int):
         """The accepted count band for a target k."""
-        return max(1, int(k / self.slack)), max(1, int(k * self.slack))
+        return max(1, math.ceil(k / self.slack)), max(1, int(k * self.slack))
 
     def _run(self, ops, grad, residual, density, watch=None):
         k = k_for_density(residual.numel(), density)

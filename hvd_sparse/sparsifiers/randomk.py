@@ -1,4 +1,8 @@
-"""Random-k: k positions drawn uniformly, as the unbiased-selection baseline."""
+"""Random-k: k positions drawn uniformly, the baseline of a selection blind to magnitude.
+
+Values are sent as they are, not scaled by n/k: with error feedback what is not sent stays in
+the residual, so no scaling is needed for the sum over steps to be right (a scaled, unbiased
+Random-k is the form without error feedback)."""
 import zlib
 
 import torch
