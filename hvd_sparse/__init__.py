@@ -56,7 +56,12 @@ def join(device=-1):
             "which a joined rank cannot stand in for; Horovod would fail or hang): give every "
             "rank the same number of steps (drop or repeat the last batches)" + hint)
     import horovod.torch as _hvd
-    return _hvd.join(device)
+
+    from .optimizer import after_join
+
+    last = _hvd.join(device)
+    after_join()  # the ranks that joined early skipped steps: their counters catch up
+    return last
 
 
 def __getattr__(name):

@@ -766,6 +766,16 @@ def join_blockers() -> tuple:
     return out, gathers
 
 
+def after_join() -> None:
+    """Every live optimizer takes the step counters of the rank that stepped longest
+    (:meth:`~hvd_sparse.engine.pipeline.Engine.after_join`; a collective per optimizer, named
+    from its buckets, so the ranks may list their optimizers in any order)."""
+    for opt in list(_LIVE):
+        if not opt._hs_passthrough and opt._hs_transport.included() \
+                and opt._hs_transport.size() > 1:
+            opt._hs_engine.after_join()
+
+
 def _warn_step_after_synchronize():
     warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
                   "optimizer.synchronize(). This can cause training slowdown. You may want to "

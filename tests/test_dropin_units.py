@@ -1003,3 +1003,26 @@ def test_a_sparse_exchange_discarded_by_zero_grad_warns_once():
     assert _discard_after_synchronize(0.05, stepped=True) == []
     assert _discard_after_synchronize(1.0) == []
     assert _discard_after_synchronize(0.05, exchange="update") == []
+
+
+def test_the_cost_models_timings_travel_with_the_state_dict():
+    """A process resumed between its first timed step and the calibration had no timing of
+    its own sparse compute and priced it at zero (every bucket sparse, where the run that did
+    not stop chose dense): a rank's timings are in its state dict, like its residuals."""
+    def make():
+        torch.manual_seed(0)
+        m = torch.nn.Linear(256, 64)
+        return m, hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+            density=0.05, transport=LocalTransport(), calibration_steps=5)
+
+    m, opt = make()
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.randn(4, 256)).sum().backward()
+        opt.step()
+    saved = opt.state_dict()["hvd_sparse"]["measured"]
+    assert saved["compute"]["weight"] > 0 and saved["wire"]["weight"][2] >= 1
+    m2, opt2 = make()
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.state_dict()["hvd_sparse"]["measured"] == saved

@@ -100,6 +100,15 @@ class Checkpointing:
         if partial and t.rank() == 0 and t.size() > 1:
             warnings.warn(checkpoint.PARTIAL_STATE_MESSAGE, checkpoint.ShardedStateWarning)
         rep["anchors"] = {k: v.clone() for k, v in rep["anchors"].items()}
+        # this rank's timings for the time cost model (not yet calibrated on, or to price the
+        # next calibration): a process resumed just before the calibration had none and
+        # priced its sparse compute at zero
+        names = {b.index: b.name for b in self.buckets}
+        rep["measured"] = {
+            "world": self._measured_world,
+            "compute": {names[i]: float(v) for i, v in self._measured.items()},
+            "wire": {names[i]: [float(x) for x in v] for i, v in self._wire.items()},
+            "coding": {names[i]: v for i, v in self._measured_coding.items()}}
         rep.update({"format": STATE_FORMAT, "world_size": t.size(), "rank": t.rank(),
                     "stats": self.stats.state_dict(), "average": self.config.average,
                     "bidirectional": self.config.bidirectional})
@@ -155,6 +164,14 @@ class Checkpointing:
                     v = saved[bname].get("velocity")
                     st.velocity.load(None if v is None else v.to(b.params[0].device))
         self._load_shards(saved, mine, own)
+        measured = extra.get("measured")
+        if own and measured is not None:  # timings are this rank's own, like its residuals
+            index = {b.name: b.index for b in self.buckets}
+            self._measured_world = measured["world"]
+            self._measured = {index[n]: v for n, v in measured["compute"].items() if n in index}
+            self._wire = {index[n]: list(v) for n, v in measured["wire"].items() if n in index}
+            self._measured_coding = {index[n]: v for n, v in measured["coding"].items()
+                                     if n in index}
         self.stats.load_state_dict(extra.get("stats", {}))
         self._consolidated.clear()
         self.agreement_due = True

@@ -393,6 +393,18 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         Horovod's (their allgathers crashed a rank that joined early with a small model)."""
         return self.config.exchanges_updates or self.any_sparse
 
+    def after_join(self) -> None:
+        """Collective, after Horovod's ``join``: the step counters of the rank that stepped
+        longest (the last to join; the largest counters, which needs no mapping of Horovod's
+        global rank into a process set), on every rank. Ranks that joined early skipped
+        steps, and what is keyed on the counter (``verify_every``'s collective, the
+        schedules, the calibration) must fall on the same step everywhere."""
+        mine = torch.tensor([self.steps, self.local_count], dtype=torch.int64)
+        name = f"hvd_sparse.join.{self.buckets[0].name}" if self.buckets else "hvd_sparse.join"
+        got = self.transport.wait(self.transport.allgather_async(mine.view(torch.uint8), name))
+        steps, local = got.view(torch.int64).view(-1, 2).max(dim=0).values.tolist()
+        self.steps, self.local_count = int(steps), int(local)
+
     def join_blockers(self) -> List[str]:
         """The buckets whose next exchange is not an allreduce (a sparse allgather or
         all-to-all, a dense gather): a rank inside Horovod's ``join()`` stands in for

@@ -317,6 +317,8 @@ def scenario_join(res):
         try:
             out[f"uneven-small-{name}"] = {"returned": hvd.join(),
                                            "params": [p.tolist() for p in m.parameters()]}
+            if name.startswith("hvd_sparse"):  # the counters of the rank that stepped longest
+                out[f"uneven-small-{name}"]["steps"] = opt.state_dict()["hvd_sparse"]["steps"]
         except RuntimeError as e:
             out[f"uneven-small-{name}"] = {"error": str(e)}
         del m, opt
