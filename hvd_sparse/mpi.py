@@ -4,7 +4,10 @@ For clusters where Horovod cannot be built. It offers what a data-parallel train
 around the optimizer (``init``, ``rank``, ``size``, ``local_rank``, ``local_size``,
 ``cross_rank``, ``cross_size``, ``broadcast_parameters``, ``broadcast_optimizer_state``,
 ``allreduce``/``allreduce_``, ``broadcast``/``broadcast_``, ``allgather``, ``allgather_object``,
-``broadcast_object``, ``Average``/``Sum``, ``Compression``) and a ``DistributedOptimizer`` that
+``broadcast_object``, ``Average``/``Sum``/``Min``/``Max``/``Product``, ``Compression``), the rest
+of Horovod's collectives (async forms with ``poll``/``synchronize``, grouped forms, ``alltoall``,
+``reducescatter``, ``join``: :mod:`hvd_sparse.mpi_collectives`, where MPI's one difference, call
+order, is explained) and a ``DistributedOptimizer`` that
 uses :class:`hvd_sparse.transport.MPITransport`. It needs no Horovod (its reduction ops and
 compressors are used where it is installed). Objects are pickled with cloudpickle where it is
 installed (Horovod's choice: lambdas and local classes travel), else with pickle.
@@ -27,6 +30,15 @@ from .compat import Adasum, Average, Compression, Sum  # noqa: F401
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
 from .checkpoint import ShardedStateWarning, merge_rank_states  # noqa: F401
 from .transport import MPITransport
+from .mpi_collectives import (  # noqa: F401 - Horovod's names
+    Max, Min, Product, allgather_async, allreduce_async, allreduce_async_, alltoall,
+    alltoall_async, broadcast_async, broadcast_async_, ccl_built, cuda_built, ddl_built,
+    gloo_built, gloo_enabled, grouped_allgather, grouped_allgather_async, grouped_allreduce,
+    grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+    grouped_reducescatter, grouped_reducescatter_async, is_homogeneous, join, mpi_built,
+    mpi_enabled, mpi_threads_supported, nccl_built, poll, reducescatter, reducescatter_async,
+    rocm_built, start_timeline, stop_timeline, synchronize)
+from . import mpi_collectives
 
 _comm = None
 _layout = {}  # what init() found out collectively: local rank and size, cross rank and size
@@ -167,9 +179,7 @@ def _reduce_op(op, average):
         op = compat.Average if average else compat.Sum
     else:
         op = compat.Average
-    if op != compat.Average and op != compat.Sum:
-        raise ValueError(f"op={op!r}: hvd_sparse.mpi reduces with Average or Sum only")
-    return op
+    return mpi_collectives.check_op(op)
 
 
 def _global_only(process_set):
@@ -181,6 +191,8 @@ def _global_only(process_set):
 def _sum(tensor, op, name, prescale, postscale):
     """The reduction itself: floats through the transport; integers summed exactly, their
     average truncated toward zero as Horovod's (its scale by 1/size cast back to the type)."""
+    if op != compat.Average and op != compat.Sum:
+        return mpi_collectives.reduce_blocking(tensor, op, prescale, postscale)
     t = MPITransport(_c())
     if tensor.dtype.is_floating_point:
         out = t.wait(t.allreduce_async(tensor, name, average=op == compat.Average,
@@ -216,8 +228,9 @@ class _Allreduce(torch.autograd.Function):
 
 def allreduce(tensor, average=None, name=None, compression=compat.Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=None):
-    """Average (default) or sum of ``tensor`` over ranks, a new tensor, with Horovod's
-    arguments (``average`` deprecated there too) and its gradient."""
+    """Average (default), sum, minimum, maximum or product of ``tensor`` over ranks, a new
+    tensor, with Horovod's arguments (``average`` deprecated there too) and its gradient (the
+    output's gradient reduced with the same op, as Horovod's)."""
     _global_only(process_set)
     op = _reduce_op(op, average)
     packed, ctx = compression.compress(tensor)

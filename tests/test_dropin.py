@@ -1,5 +1,7 @@
 """A Horovod user's patterns on real 2-rank jobs: resume from rank 0's checkpoint, GradScaler,
 non-finite gradients under every policy, sparse embeddings (tests/workers/dropin_scenarios.py)."""
+import math
+
 import pytest
 
 from conftest import run_ranks
@@ -214,6 +216,51 @@ def test_collective_helpers_take_horovods_calls(dropin):
                                                          [10.0 + n - 1] * 3]
         assert r["helpers_broadcast_lambda"] == 2 * (3 + n - 1)
         assert r["helpers_positional_options"] == 1
+
+
+def test_more_collectives_answer_as_horovods(dropin):
+    """Min, Max and Product (integers and float16 too, the gradient reduced with the same op),
+    async handles polled and synchronized out of order, grouped forms, alltoall with and without
+    splits (its gradient sent back), reducescatter (the first rank one row more; Horovod's
+    gradients) and join, as Horovod gives them (under Horovod these are its own functions:
+    the same assertions hold for both)."""
+    n = len(dropin)
+    fact = math.factorial(n)
+    s = n * (n - 1) // 2
+    rows = [(2 * n + 1) // n + (j < (2 * n + 1) % n) for j in range(n)]
+    base = [[2.0 * i, 2.0 * i + 1] for i in range(2 * n + 1)]
+    for r in dropin:
+        k = r["rank"]
+        assert r["more_min_max_product"] == [[1.0, -n, 2.0], [float(n), -1.0, 2.0],
+                                             [float(fact), float((-1) ** n * fact), 2.0 ** n]]
+        assert r["more_int_max"] == [[n, 5], "torch.int32"]
+        assert r["more_half_min"] == [[1.0, -n, 2.0], "torch.float16"]
+        assert r["more_max_grad"] == [1.0, float(n + 1)]
+        assert r["more_polled"]
+        assert r["more_async"] == [[float(s)] * 3, [(n - 1) / 2] * 2, [(n - 1) / 2] * 2,
+                                   [float(n - 1)] * 2,
+                                   [[float(j)] * 2 for j in range(n) for _ in range(j + 1)]]
+        assert r["more_grouped"] == [[float(s)] * 2, [2.0 * s] * 3]
+        assert r["more_grouped_"] == [[(n - 1) / 2] * 2, [float(n - 1)] * 3]
+        assert r["more_grouped_allgather"] == [[float(j) for j in range(n)],
+                                               [1.0] * (n * (n + 1) // 2)]
+        assert r["more_grouped_async"] == [[float(s)] * 2, [float(n)]]
+        out, received, dtype, grad = r["more_alltoall"]
+        assert out == [[100.0 * j + k] for j in range(n) for _ in range(k + 1)]
+        assert received == [k + 1] * n and dtype == "torch.int32"
+        assert grad == [float(j + 1) for j in range(n) for _ in range(j + 1)]
+        assert r["more_alltoall_even"] == [10.0 * j + 2 * k + i for j in range(n) for i in (0, 1)]
+        assert r["more_alltoall_uneven"] == "ValueError"
+        assert r["more_alltoall_async"] == [[k + 10.0 * j for j in range(n)], [1] * n]
+        lo = sum(rows[:k])
+        mine = base[lo:lo + rows[k]]
+        avg, grad, total, total_async = r["more_reducescatter"]
+        assert avg == [[v * (n + 1) / 2 for v in row] for row in mine]
+        assert grad == [[1.0 + 2 * i, 2.0 + 2 * i] for c in rows for i in range(c)]
+        assert total == total_async == [[v * n * (n + 1) / 2 for v in row] for row in mine]
+        assert r["more_reducescatter_sum_grad"] == [[3.0 * n] * 2] * (2 * n + 1)
+        assert r["more_join"] is True
+        assert r["more_queries"] == [True, True]
 
 
 def test_mpi_broadcasts_in_chunks(dropin):

@@ -620,12 +620,93 @@ def scenario_collective_helpers(res):
             tr.ALLREDUCE_CHUNK = piece
 
 
+def scenario_more_collectives(res):
+    """Horovod's other collectives, called as its users call them (under Horovod these are its
+    own functions, the reference; under hvd_sparse.mpi they are ours): Min, Max and Product,
+    async handles with poll and synchronize, grouped forms, alltoall, reducescatter, join."""
+    import time
+
+    r, n = hvd.rank(), hvd.size()
+    x = torch.tensor([float(r + 1), -float(r + 1), 2.0])
+    res["more_min_max_product"] = [hvd.allreduce(x, op=op).tolist()
+                                   for op in (hvd.Min, hvd.Max, hvd.Product)]
+    ints = torch.tensor([r + 1, 5 - r], dtype=torch.int32)
+    got = hvd.allreduce(ints, op=hvd.Max)
+    res["more_int_max"] = [got.tolist(), str(got.dtype)]
+    got = hvd.allreduce(x.to(torch.float16), op=hvd.Min)
+    res["more_half_min"] = [got.tolist(), str(got.dtype)]
+    g = torch.full((2,), float(r + 1), requires_grad=True)
+    (hvd.allreduce(g, op=hvd.Max) * torch.tensor([1.0, 2.0 + r])).sum().backward()
+    res["more_max_grad"] = g.grad.tolist()  # the gradient reduced with Max too
+
+    h1 = hvd.allreduce_async(torch.full((3,), float(r)), op=hvd.Sum, name="more.a")
+    y = torch.full((2,), float(r))
+    h2 = hvd.allreduce_async_(y, name="more.b")
+    h3 = hvd.allgather_async(torch.full((r + 1, 2), float(r)), name="more.c")
+    h4 = hvd.broadcast_async(torch.full((2,), float(r)), root_rank=n - 1, name="more.d")
+    deadline = time.time() + 60
+    while not all(hvd.poll(h) for h in (h1, h2, h3, h4)) and time.time() < deadline:
+        time.sleep(0.001)
+    res["more_polled"] = all(hvd.poll(h) for h in (h1, h2, h3, h4))
+    out2 = hvd.synchronize(h2)  # waited for in another order than started
+    res["more_async"] = [hvd.synchronize(h1).tolist(), y.tolist(), out2.tolist(),
+                         hvd.synchronize(h4).tolist(), hvd.synchronize(h3).tolist()]
+
+    pair = [torch.full((2,), float(r)), torch.full((3,), 2.0 * r)]
+    res["more_grouped"] = [t.tolist() for t in hvd.grouped_allreduce(pair, op=hvd.Sum)]
+    hvd.grouped_allreduce_(pair)
+    res["more_grouped_"] = [t.tolist() for t in pair]
+    res["more_grouped_allgather"] = [t.tolist() for t in hvd.grouped_allgather(
+        [torch.full((1,), float(r)), torch.full((r + 1,), 1.0)])]
+    h = hvd.grouped_allreduce_async([torch.ones(2) * r, torch.ones(1)], op=hvd.Sum)
+    res["more_grouped_async"] = [t.tolist() for t in hvd.synchronize(h)]
+
+    # alltoall with splits: rank j gets j + 1 rows, each marked with sender and receiver
+    splits = [j + 1 for j in range(n)]
+    rows = torch.tensor([[100.0 * r + j] for j in range(n) for _ in range(j + 1)])
+    rows.requires_grad_(True)
+    out, received = hvd.alltoall(rows, splits=torch.tensor(splits, dtype=torch.int32))
+    (out * (r + 1)).sum().backward()
+    res["more_alltoall"] = [out.tolist(), received.tolist(), str(received.dtype),
+                            rows.grad.view(-1).tolist()]
+    even = torch.tensor([[10.0 * r + i] for i in range(2 * n)])
+    res["more_alltoall_even"] = hvd.alltoall(even).view(-1).tolist()
+    try:  # without splits the rows must divide evenly
+        hvd.alltoall(torch.zeros(2 * n + 1, 1))
+        res["more_alltoall_uneven"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is part of the result
+        res["more_alltoall_uneven"] = type(e).__name__
+    h = hvd.alltoall_async(torch.arange(float(n)) + 10 * r, splits=[1] * n)
+    out, received = hvd.synchronize(h)
+    res["more_alltoall_async"] = [out.tolist(), received.tolist()]
+
+    base = torch.arange(float(2 * (2 * n + 1))).view(2 * n + 1, 2)
+    t = (base * (r + 1)).requires_grad_(True)
+    avg = hvd.reducescatter(t)
+    # (a weighted sum: the gradient of a plain sum is a broadcast view, which Horovod refuses)
+    (avg * (1.0 + torch.arange(float(avg.numel())).view_as(avg))).sum().backward()
+    res["more_reducescatter"] = [avg.tolist(), t.grad.tolist(),
+                                 hvd.reducescatter(base * (r + 1), op=hvd.Sum).tolist(),
+                                 hvd.synchronize(hvd.reducescatter_async(
+                                     base * (r + 1), op=hvd.Sum)).tolist()]
+    ts = (base * (r + 1)).requires_grad_(True)
+    (hvd.reducescatter(ts, op=hvd.Sum) * 3.0 * torch.ones(1)).sum().backward()
+    res["more_reducescatter_sum_grad"] = ts.grad.tolist()
+    try:
+        last = hvd.join()
+        res["more_join"] = 0 <= last < n
+    except Exception as e:  # noqa: BLE001 - the type is part of the result
+        res["more_join"] = f"{type(e).__name__}: {e}"
+    res["more_queries"] = [isinstance(hvd.mpi_threads_supported(), bool), bool(hvd.mpi_built())]
+    hvd.allreduce(torch.ones(1), name="more.after")  # still in step with the others
+
+
 SCENARIOS = [scenario_update_exchange, scenario_step_hooks, scenario_gradient_hooks_after_wrapping,
              scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
              scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
              scenario_sparse_embedding, scenario_memory_layouts, scenario_bfloat16_dense_tensor,
              scenario_step_with_closure, scenario_checkpoint_loads_weights_only,
-             scenario_collective_helpers]
+             scenario_collective_helpers, scenario_more_collectives]
 
 
 if __name__ == "__main__":
