@@ -335,7 +335,60 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             engine.skip_step = False
             return None
         self._hs_check_unexchanged()
+        if self._hs_passthrough:
+            return self._hs_passthrough_step(closure)
         return self._hs_base.step(self, closure)
+
+    def _hs_passthrough_step(self, closure):
+        """One process under Horovod: the wrapped step, as Horovod's optimizer is then the
+        wrapped one. Mass a loaded state left in the residuals (saved by a larger job) joins
+        this step once: gradient mass added to ``p.grad`` before the step (after the closure's
+        backward, when there is one), weight changes to the parameters after it. The exchange
+        counter moves on as it would, so a later resume on more ranks continues its
+        schedules."""
+        engine = self._hs_engine
+        pending = engine.take_pending()
+        updates = engine.config.exchanges_updates
+        if pending and not updates:
+            if closure is None:
+                self._hs_add_pending(pending, grads=True)
+            else:
+                inner, added = closure, []
+
+                def closure():
+                    loss = inner()
+                    if not added:  # once, also when the wrapped step re-evaluates (LBFGS)
+                        self._hs_add_pending(pending, grads=True)
+                        added.append(True)
+                    return loss
+        loss = self._hs_base.step(self, closure)
+        if pending and updates:
+            self._hs_add_pending(pending, grads=False)
+        if engine.config.local_steps == 1 or engine.local_step_done():
+            engine.steps += 1
+        return loss
+
+    def _hs_add_pending(self, pending, grads):
+        """Add each bucket's pending mass to its parameters' gradients (``grads``) or to the
+        parameters themselves."""
+        with torch.no_grad():
+            for b in self._hs_engine.buckets:
+                flat = pending.get(b.index)
+                if flat is None:
+                    continue
+                for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+                    seg = flat[off:off + hi - lo].to(p.dtype)
+                    if not grads:
+                        _add_flat(p, lo, hi, seg)
+                    elif p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                        _add_flat(p.grad, lo, hi, seg)
+                    elif p.grad.is_sparse:
+                        dense = p.grad.to_dense()
+                        _add_flat(dense, lo, hi, seg)
+                        p.grad = dense.to_sparse()
+                    else:
+                        _add_flat(p.grad, lo, hi, seg)
 
     def _hs_local_step(self, closure):
         """Communication delay (SBC): local steps, then the engine exchanges the weight change."""
@@ -477,6 +530,17 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_base.load_state_dict(self, state_dict)
         if extra is not None:
             self._hs_engine.load_state_dict(extra)
+
+
+def _add_flat(t, lo, hi, seg) -> None:
+    """``t``'s entries ``lo:hi`` in logical (row-major) order += ``seg``, in place, whatever
+    ``t``'s memory layout."""
+    if t.is_contiguous():
+        t.view(-1)[lo:hi].add_(seg)
+    else:
+        flat = t.reshape(-1).clone()
+        flat[lo:hi].add_(seg)
+        t.copy_(flat.view(t.shape))
 
 
 def _named_parameters(optimizer, named_parameters):

@@ -92,6 +92,79 @@ def test_one_process_under_horovod_is_the_wrapped_optimizer(mpi_available):
     assert out == {"size": 1, "equal": True, "unused": [True, [1.0, 1.0, 1.0]]}
 
 
+RESUMED_ALONE = r"""
+import copy, json, torch
+import hvd_sparse as hvd
+from hvd_sparse.transport import LocalTransport
+hvd.init()
+out = {"size": hvd.size()}
+for name, make, kw in (("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1), {}),
+                       ("adam", lambda ps: torch.optim.Adam(ps, lr=0.01), {"exchange": "update"})):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(32, 8)
+    # a state with pending mass in both residuals, as a larger job's checkpoint holds
+    src = hvd.DistributedOptimizer(make(m.parameters()), named_parameters=m.named_parameters(),
+                                   density=0.1, min_sparse_numel=0, cost_model="off",
+                                   transport=LocalTransport(), **kw)
+    for step in range(4):
+        src.zero_grad()
+        m(torch.randn(8, 32)).square().mean().backward()
+        src.step()
+    sd = src.state_dict()
+    buckets = sd["hvd_sparse"]["buckets"]
+    pending = {n: sum(buckets[n][k].double() for k in ("uplink", "downlink")
+                      if buckets[n][k] is not None) for n in ("weight", "bias")}
+    ref = torch.nn.Linear(32, 8)
+    ref.load_state_dict(m.state_dict())
+    opt = hvd.DistributedOptimizer(make(m.parameters()), named_parameters=m.named_parameters(),
+                                   density=0.1, min_sparse_numel=0, **kw)
+    opt.load_state_dict(copy.deepcopy(sd))  # (torch's load may share the state's tensors)
+    base = make(ref.parameters())
+    base.load_state_dict(copy.deepcopy({k: v for k, v in sd.items() if k != "hvd_sparse"}))
+    x = torch.randn(8, 32)
+    for model, o in ((m, opt), (ref, base)):
+        o.zero_grad()
+        model(x).square().mean().backward()
+    if name == "sgd":  # gradient mass: joins the gradient of the first step
+        for n, p in ref.named_parameters():
+            p.grad += pending[n].view_as(p).float()
+    opt.step()
+    base.step()
+    if name == "adam":  # weight changes: join the parameters after it
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                p += pending[n].view_as(p).float()
+    later = opt.state_dict()["hvd_sparse"]
+    out[name] = {
+        "pending": all(bool(v.any()) for v in pending.values()),
+        "applied": all(torch.allclose(a, b, atol=1e-6) for a, b in
+                       zip(m.parameters(), ref.parameters())),
+        "emptied": all(v["uplink"] is None and v["downlink"] is None
+                       for v in later["buckets"].values()),
+        "steps": [sd["hvd_sparse"]["steps"], later["steps"]]}
+print(json.dumps(out))
+"""
+
+
+def test_one_process_under_horovod_applies_a_loaded_states_pending_mass(mpi_available):
+    """A larger job's state resumed by one process under Horovod (where the wrapped optimizer
+    steps alone): the residuals' mass joins the first step once (gradient mass in the gradient,
+    weight changes in the parameters), is not saved again, and the exchange counter moves on
+    (a peer's probe: the mass sat unused, was carried into the next checkpoint and replayed,
+    stale, at a resume on two ranks)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", RESUMED_ALONE], env=_env(),
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["size"] == 1
+    for name in ("sgd", "adam"):
+        assert out[name]["pending"] and out[name]["applied"] and out[name]["emptied"], out
+        assert out[name]["steps"] == [4, 5], out
+
+
 @pytest.mark.multirank
 def test_training_cli_two_ranks_end_to_end(tmp_path, mpi_available):
     import subprocess

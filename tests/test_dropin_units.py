@@ -1026,3 +1026,39 @@ def test_the_cost_models_timings_travel_with_the_state_dict():
     m2, opt2 = make()
     opt2.load_state_dict(opt.state_dict())
     assert opt2.state_dict()["hvd_sparse"]["measured"] == saved
+
+
+@pytest.mark.parametrize("saved, resumed", [("gradient", "update"), ("update", "gradient")])
+def test_a_state_saved_under_the_other_exchange_drops_its_residuals(saved, resumed):
+    """Gradient residuals loaded where weight changes are exchanged moved the weights 55 times
+    as far as a step does, uphill (a peer's probe); the reverse lost the mass silently. Now the
+    residuals are dropped with a warning, the counters kept, and the first step after the
+    resume moves the weights as a fresh optimizer's does."""
+    m = _net()
+    opt = _wrap(m, exchange=saved, density=0.02)
+    _train(m, opt, 6)
+    sd = opt.state_dict()
+    assert sd["hvd_sparse"]["exchange"] == saved
+    assert any(v["uplink"] is not None and bool(v["uplink"].any())
+               for v in sd["hvd_sparse"]["buckets"].values())
+
+    def first_step(load):
+        m2 = _net()
+        m2.load_state_dict(m.state_dict())
+        opt2 = _wrap(m2, exchange=resumed, density=0.02)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if load:
+                opt2.load_state_dict(sd)
+        before = [p.detach().clone() for p in m2.parameters()]
+        _train(m2, opt2, 1, seed=7)
+        moved = torch.sqrt(sum(((p.detach() - q) ** 2).sum()
+                               for p, q in zip(m2.parameters(), before)))
+        return float(moved), opt2, [str(w.message) for w in seen]
+
+    moved, opt2, seen = first_step(load=True)
+    fresh, _, _ = first_step(load=False)
+    assert any(f'exchange="{saved}"' in w and "dropped" in w for w in seen), seen
+    assert moved == pytest.approx(fresh, rel=1e-5)  # nothing of the other kind applied
+    assert opt2.engine_state() is not None
+    assert opt2.state_dict()["hvd_sparse"]["steps"] == 7  # counters restored, one step on

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 from .. import checkpoint
 from ..feedback import Residual
 
@@ -111,7 +113,8 @@ class Checkpointing:
             "coding": {names[i]: v for i, v in self._measured_coding.items()}}
         rep.update({"format": STATE_FORMAT, "world_size": t.size(), "rank": t.rank(),
                     "stats": self.stats.state_dict(), "average": self.config.average,
-                    "bidirectional": self.config.bidirectional})
+                    "bidirectional": self.config.bidirectional,
+                    "exchange": self.exchange_kind()})
         return checkpoint.loadable(rep)
 
     def load_state_dict(self, extra: dict) -> None:
@@ -146,6 +149,10 @@ class Checkpointing:
             if saved[bname]["numel"] != b.numel:
                 raise ValueError(f"bucket '{bname}' has {saved[bname]['numel']} entries in the "
                                  f"checkpoint and {b.numel} here")
+        saved_kind = extra.get("exchange")  # (absent before the twenty-seventh session)
+        if saved_kind not in (None, self.exchange_kind()):
+            self._load_other_exchange(extra, saved_kind, mine)
+            return
         own = extra["rank"] == t.rank() and extra["world_size"] == t.size()
         fresh = all(self.state[b.index].uplink.buffer is None for b in mine.values())
         if not own and fresh and any(v["uplink"] is not None for v in saved.values()):
@@ -175,6 +182,67 @@ class Checkpointing:
         self.stats.load_state_dict(extra.get("stats", {}))
         self._consolidated.clear()
         self.agreement_due = True
+
+    def exchange_kind(self) -> str:
+        """What the residuals hold: "gradient" mass, or "update" mass (weight changes)."""
+        return "update" if self.config.exchanges_updates else "gradient"
+
+    def _load_other_exchange(self, extra, saved_kind, mine) -> None:
+        """A state saved while the other kind was exchanged: its residuals are gradients where
+        weight changes are expected, or the reverse (applied as they are, a gradient residual
+        moved the weights 55 times as far as a step should, uphill). Counters, sparsifier
+        state and cost choices are restored; every residual, velocity and anchor starts
+        afresh, said once."""
+        pending = any(v.get(k) is not None for v in extra["buckets"].values()
+                      for k in ("uplink", "downlink", "velocity"))
+        if pending:
+            warnings.warn(
+                f"hvd_sparse state saved with exchange=\"{saved_kind}\" loaded where "
+                f"\"{self.exchange_kind()}\" is exchanged: its residuals hold the other kind "
+                "of mass and are dropped (counters and sparsifier state are restored); resume "
+                f"with exchange=\"{saved_kind}\" to keep them")
+        self.load_replicated(extra)
+        for b in mine.values():
+            st = self.state[b.index]
+            st.downlink.load(None)
+            st.uplink.load(None)
+            if st.velocity is not None:
+                st.velocity.load(None)
+            st.shard, st.shard_layout, st.anchor = None, None, None
+        self.stats.load_state_dict(extra.get("stats", {}))
+        self._consolidated.clear()
+        self.agreement_due = True
+
+    def take_pending(self) -> dict:
+        """The mass loaded residuals hold, per sparse bucket index (flat; only non-zero ones),
+        the residuals then emptied. For one process under Horovod, where the wrapped optimizer
+        steps alone and nothing is exchanged: a state saved by a larger job (or merged with
+        ``merge_rank_states``) joins the next step once, instead of sitting unused and being
+        saved again into the next checkpoint (then replayed, stale, at the next resume on
+        more ranks)."""
+        out = {}
+        for b in self.buckets:
+            st = self.state[b.index]
+            if not b.sparse:
+                continue
+            parts = [r.buffer for r in (st.uplink, st.downlink, st.shard)
+                     if r is not None and r.buffer is not None]
+            if st.shard is not None and st.shard.buffer is not None:
+                lo, hi = st.shard_layout[2:4]
+                parts[-1] = torch.zeros(b.numel, dtype=st.shard.buffer.dtype,
+                                        device=st.shard.buffer.device)
+                parts[-1][lo:hi] = st.shard.buffer
+            for r in (st.uplink, st.downlink, st.velocity, st.shard):
+                if r is not None:
+                    r.load(None)
+            st.shard, st.shard_layout = None, None
+            if parts:
+                total = parts[0].double().clone()
+                for x in parts[1:]:
+                    total.add_(x.double())
+                if bool(total.any()):
+                    out[b.index] = total
+        return out
 
     def _load_shards(self, saved, mine, own) -> None:
         """Sharded exchange: a region residual is restored on the rank that saved it, in a
