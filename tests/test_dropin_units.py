@@ -1062,3 +1062,37 @@ def test_a_state_saved_under_the_other_exchange_drops_its_residuals(saved, resum
     assert moved == pytest.approx(fresh, rel=1e-5)  # nothing of the other kind applied
     assert opt2.engine_state() is not None
     assert opt2.state_dict()["hvd_sparse"]["steps"] == 7  # counters restored, one step on
+
+
+@pytest.mark.parametrize("saved_prefix, loaded_prefix", [("_orig_mod.", ""), ("", "_orig_mod.")])
+def test_a_compiled_models_state_resumes_on_the_plain_model(saved_prefix, loaded_prefix):
+    """torch.compile names every parameter "_orig_mod.<name>"; torch and Horovod load optimizer
+    states by position, so a checkpoint of the compiled model resumes on the plain one (and
+    back). hvd_sparse matches its buckets by name: it refused both ways (a peer's probe)."""
+    m = _net()
+
+    def named(model, prefix):
+        return [(prefix + n, p) for n, p in model.named_parameters()]
+
+    base = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt = hvd_sparse.DistributedOptimizer(
+        base, named_parameters=named(m, saved_prefix), density=0.1, min_sparse_numel=0,
+        cost_model="off", transport=LocalTransport(), sparsifier="adaptive", total_steps=20)
+    _train(m, opt, 4)
+    sd = opt.state_dict()
+    m2 = _net()
+    opt2 = hvd_sparse.DistributedOptimizer(
+        torch.optim.SGD(m2.parameters(), lr=0.1), named_parameters=named(m2, loaded_prefix),
+        density=0.1, min_sparse_numel=0, cost_model="off", transport=LocalTransport(),
+        sparsifier="adaptive", total_steps=20)
+    opt2.load_state_dict(sd)
+    again = opt2.state_dict()["hvd_sparse"]
+    for name, entry in sd["hvd_sparse"]["buckets"].items():
+        twin = again["buckets"][loaded_prefix + name[len(saved_prefix):]]
+        for key in ("uplink", "downlink"):
+            assert (entry[key] is None) == (twin[key] is None)
+            assert entry[key] is None or torch.equal(entry[key], twin[key])
+    assert len(again["sparsifier"]["buckets"]) == len(sd["hvd_sparse"]["sparsifier"]["buckets"]) > 0
+    assert all(k.startswith(loaded_prefix) for k in again["sparsifier"]["buckets"])
+    _train(m2, opt2, 2)
+    assert all(bool(torch.isfinite(p).all()) for p in m2.parameters())

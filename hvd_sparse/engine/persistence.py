@@ -136,8 +136,9 @@ class Checkpointing:
         if extra.get("format") != STATE_FORMAT:
             raise ValueError(f"hvd_sparse state has format {extra.get('format')}, "
                              f"this version reads {STATE_FORMAT}")
-        saved = extra["buckets"]
         mine = {b.name: b for b in self.buckets if b.sparse}
+        extra = _compiled_names_matched(extra, set(mine), [b.name for b in self.buckets])
+        saved = extra["buckets"]
         if set(saved) != set(mine):
             raise ValueError("the checkpoint's sparse buckets differ from this optimizer's: "
                              f"missing {sorted(set(mine) - set(saved))}, "
@@ -270,3 +271,38 @@ class Checkpointing:
                 "save one state dict per rank and resume each rank from its own with the "
                 "same number of ranks, or load hvd_sparse.merge_rank_states(all of them) on "
                 "every rank of a job of any size")
+
+
+#: what ``torch.compile`` puts before the parameter names of the module it wraps
+COMPILED_PREFIX = "_orig_mod."
+
+
+def _compiled_names_matched(extra: dict, sparse: set, names: list) -> dict:
+    """``extra`` with its bucket names renamed to this optimizer's where the two differ only by
+    ``torch.compile``'s prefix (a checkpoint of the compiled model resumed on the plain one, or
+    the reverse, as torch and Horovod load optimizer states by position); else ``extra``."""
+    saved = set(extra["buckets"])
+    if saved == sparse:
+        return extra
+
+    def plain(name):
+        return name.replace(COMPILED_PREFIX, "")
+
+    ours = {plain(n): n for n in names}
+    if len(ours) != len(names) or {plain(n) for n in saved} != {plain(n) for n in sparse}:
+        return extra
+    rename = {n: ours[plain(n)] for n in saved}
+
+    def keyed(d):
+        return {rename.get(k, ours.get(plain(k), k)): v for k, v in d.items()}
+
+    out = dict(extra, buckets=keyed(extra["buckets"]), anchors=keyed(extra.get("anchors", {})))
+    for key in ("sparsifier", "downlink_sparsifier"):
+        state = extra.get(key)
+        if isinstance(state, dict) and isinstance(state.get("buckets"), dict):
+            out[key] = dict(state, buckets=keyed(state["buckets"]))
+    measured = extra.get("measured")
+    if measured is not None:
+        out["measured"] = dict(measured, **{k: keyed(measured[k]) for k in
+                                            ("compute", "wire", "coding") if k in measured})
+    return out
