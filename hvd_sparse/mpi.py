@@ -39,6 +39,8 @@ from .mpi_collectives import (  # noqa: F401 - Horovod's names
     mpi_enabled, mpi_threads_supported, nccl_built, poll, reducescatter, reducescatter_async,
     rocm_built, start_timeline, stop_timeline, synchronize)
 from . import mpi_collectives
+from .mpi_guard import HorovodInternalError, agree, describe  # noqa: F401 - Horovod's name
+from . import mpi_guard
 
 _comm = None
 _layout = {}  # what init() found out collectively: local rank and size, cross rank and size
@@ -56,6 +58,7 @@ def init(comm=None):
     _comm = comm if comm is not None else MPI.COMM_WORLD
     _layout.clear()
     _layout.update(_topology(_comm))
+    mpi_guard.abort_on_uncaught(_comm)
 
 
 def _c():
@@ -120,6 +123,7 @@ def shutdown():
 
 
 def barrier():
+    agree(_c(), "barrier")
     _c().Barrier()
 
 
@@ -141,6 +145,7 @@ def broadcast_object(obj, root_rank=0, name=None):
     import numpy as np
 
     comm = _c()
+    agree(comm, "broadcast_object", root=root_rank)
     data = pickle.dumps(obj) \
         if comm.Get_rank() == root_rank else b""
     size = comm.bcast(len(data), root=root_rank)
@@ -156,6 +161,7 @@ def allgather_object(obj, name=None):
     import numpy as np
 
     comm = _c()
+    agree(comm, "allgather_object")
     mine = pickle.dumps(obj)
     sizes = comm.allgather(len(mine))
     out = []
@@ -182,6 +188,38 @@ def _reduce_op(op, average):
     return mpi_collectives.check_op(op)
 
 
+class ProcessSet:
+    """Horovod's process set; here only the global one (this module works on one
+    communicator: pass ``init(comm=...)`` a sub-communicator instead)."""
+
+    def __init__(self, ranks=None):
+        if ranks is not None:
+            raise ValueError("hvd_sparse.mpi has the global process set only (pass "
+                             "init(comm=...) a sub-communicator instead)")
+        self.process_set_id = 0
+        self.ranks = None
+
+    def size(self) -> int:
+        return size()
+
+    def rank(self) -> int:
+        return rank()
+
+    def included(self) -> bool:
+        return True
+
+
+global_process_set = ProcessSet()
+
+
+def add_process_set(process_set):
+    ProcessSet(getattr(process_set, "ranks", process_set))  # refused, with the reason
+
+
+def remove_process_set(process_set):
+    return ProcessSet(getattr(process_set, "ranks", process_set)) is None
+
+
 def _global_only(process_set):
     if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
         raise ValueError("hvd_sparse.mpi works on the global communicator only (process sets "
@@ -190,16 +228,18 @@ def _global_only(process_set):
 
 def _sum(tensor, op, name, prescale, postscale):
     """The reduction itself: floats through the transport; integers summed exactly, their
-    average truncated toward zero as Horovod's (its scale by 1/size cast back to the type)."""
-    if op != compat.Average and op != compat.Sum:
+    average truncated toward zero as Horovod's (its scale by 1/size cast back to the type).
+    Every rank must start it alike (:func:`hvd_sparse.mpi_guard.agree`)."""
+    agree(_c(), "allreduce", **describe(tensor, op=int(op), prescale=float(prescale),
+                                        postscale=float(postscale)))
+    if op != compat.Average and op != compat.Sum or not tensor.dtype.is_floating_point \
+            and (prescale != 1.0 or postscale != 1.0 or tensor.dtype == torch.bool):
         return mpi_collectives.reduce_blocking(tensor, op, prescale, postscale)
     t = MPITransport(_c())
     if tensor.dtype.is_floating_point:
         out = t.wait(t.allreduce_async(tensor, name, average=op == compat.Average,
                                        prescale=prescale, postscale=postscale))
         return out.view(tensor.shape)
-    if prescale != 1.0 or postscale != 1.0:
-        raise ValueError("prescale_factor and postscale_factor need a floating-point tensor")
     from mpi4py import MPI
 
     src = tensor.detach().cpu().contiguous()
@@ -248,7 +288,9 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                                  postscale_factor))
 
 
-def _broadcast_into(tensor, root_rank):
+def _broadcast_into(tensor, root_rank, check=True):
+    if check:
+        agree(_c(), "broadcast", **describe(tensor, root=root_rank))
     host = tensor.detach().cpu().contiguous().clone()
     if host.numel():
         _bcast_bytes(host.reshape(-1).view(torch.uint8).numpy(), root_rank)
@@ -289,6 +331,8 @@ class _Allgather(torch.autograd.Function):
     def forward(ctx, tensor, name):
         t = MPITransport(_c())
         src = tensor.detach().contiguous()
+        agree(_c(), "allgather", dtype=str(src.dtype), dims=src.dim(),
+              trailing_shape=tuple(src.shape[1:]))
         ctx.rows = src.shape[0] if src.dim() else 1
         flat = t.wait(t.allgather_async(src.reshape(-1), name))
         return flat.view(-1, *src.shape[1:])
@@ -314,10 +358,12 @@ def broadcast_parameters(params, root_rank=0):
         items = sorted(params.items())
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    tensors = [(n, p) for n, p in items if isinstance(p, torch.Tensor)]
+    agree(_c(), "broadcast_parameters", root=root_rank,
+          tensors=tuple((n, str(p.dtype), tuple(p.shape)) for n, p in tensors))
     with torch.no_grad():
-        for _, p in items:
-            if isinstance(p, torch.Tensor):
-                _broadcast_into(p, root_rank)
+        for _, p in tensors:
+            _broadcast_into(p, root_rank, check=False)
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0, model=None):

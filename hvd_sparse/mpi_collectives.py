@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import compat
+from .mpi_guard import agree, describe
 
 try:  # pragma: no branch
     from horovod.torch.mpi_ops import Max, Min, Product  # noqa: F401
@@ -118,23 +119,26 @@ def _host_work(tensor, prescale):
     else:
         work = work.clone()
     if prescale != 1.0:
-        if not work.dtype.is_floating_point:
-            raise ValueError("prescale_factor and postscale_factor need a floating-point tensor")
-        work.mul_(prescale)
+        if work.dtype.is_floating_point:
+            work.mul_(prescale)
+        else:  # as Horovod scales an integer buffer: in double, cast back (toward zero)
+            work = torch.trunc(work.double() * prescale).to(work.dtype)
     return work
 
 
 def _finish_reduction(out, tensor, op, postscale, divisor):
     """Average, postscale and the input's dtype, device and shape, as Horovod's: integer
     averages truncate toward zero."""
-    if op == compat.Average:
+    if not out.dtype.is_floating_point and postscale != 1.0:
+        # Horovod folds the average into the postscale and truncates once
+        factor = postscale / divisor if op == compat.Average else postscale
+        out = torch.trunc(out.double() * factor).to(out.dtype)
+    elif op == compat.Average:
         if out.dtype.is_floating_point:
             out.mul_(1.0 / divisor)
         else:
             out = torch.div(out, divisor, rounding_mode="trunc")
-    if postscale != 1.0:
-        if not out.dtype.is_floating_point:
-            raise ValueError("prescale_factor and postscale_factor need a floating-point tensor")
+    if out.dtype.is_floating_point and postscale != 1.0:
         out.mul_(postscale)
     return out.to(dtype=tensor.dtype, device=tensor.device)
 
@@ -157,6 +161,8 @@ def _allreduce_start(tensor, name, op, prescale, postscale, into=None) -> int:
     """Start one allreduce; non-blocking for float averages and sums. ``into``: the tensor the
     result is written into (the in-place forms)."""
     op = check_op(op)
+    agree(_mpi()._c(), "allreduce", **describe(tensor, op=int(op), prescale=float(prescale),
+                                               postscale=float(postscale)))
 
     def deliver(out):
         if into is None:
@@ -192,7 +198,15 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                             postscale_factor, into=tensor)
 
 
+def _group(what, tensors) -> list:
+    """A grouped call's tensors, once every rank has agreed on how many there are."""
+    tensors = list(tensors)
+    agree(_mpi()._c(), what, tensors=len(tensors))
+    return tensors
+
+
 def _grouped_start(tensors, name, op, prescale, postscale, in_place) -> int:
+    tensors = _group("grouped_allreduce", tensors)
     handles = [_allreduce_start(t, f"{name or 'grouped_allreduce'}.{i}", op, prescale,
                                 postscale, into=t if in_place else None)
                for i, t in enumerate(tensors)]
@@ -220,6 +234,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=compat.Compr
                       op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """Each tensor reduced as by :func:`hvd_sparse.mpi.allreduce` (differentiable too)."""
     mpi = _mpi()
+    tensors = _group("grouped_allreduce", tensors)
     return [mpi.allreduce(t, average=average, name=f"{name or 'grouped_allreduce'}.{i}",
                           compression=compression, op=op, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor, process_set=process_set)
@@ -238,6 +253,8 @@ def allgather_async(tensor, name=None, process_set=None) -> int:
     _mpi()._global_only(process_set)
     t = _transport()
     src = tensor.detach().contiguous()
+    agree(t.comm, "allgather", dtype=str(src.dtype), dims=src.dim(),
+          trailing_shape=tuple(src.shape[1:]))
     h = t.allgather_async(src.reshape(-1), name or "allgather")
     return _register(lambda: _requests_test(h),
                      lambda: t.wait(h).view(-1, *src.shape[1:]))
@@ -245,11 +262,13 @@ def allgather_async(tensor, name=None, process_set=None) -> int:
 
 def grouped_allgather(tensors, name=None, process_set=None):
     mpi = _mpi()
+    tensors = _group("grouped_allgather", tensors)
     return [mpi.allgather(t, name=f"{name or 'grouped_allgather'}.{i}", process_set=process_set)
             for i, t in enumerate(tensors)]
 
 
 def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
+    tensors = _group("grouped_allgather", tensors)
     handles = [allgather_async(t, f"{name or 'grouped_allgather'}.{i}", process_set)
                for i, t in enumerate(tensors)]
     return _register(lambda: all(poll(h) for h in handles),
@@ -279,6 +298,8 @@ def _alltoall_start(tensor, splits, name):
     """Start an all-to-all of rows: (transport handle, finish() -> (output, rows received
     from each rank))."""
     size = _mpi().size()
+    agree(_mpi()._c(), "alltoall", dtype=str(tensor.dtype), dims=tensor.dim(),
+          trailing_shape=tuple(tensor.shape[1:]), splits=splits is not None)
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor of at least one dimension")
     src = tensor.detach().contiguous()
@@ -348,6 +369,8 @@ def _reducescatter_blocking(tensor, op, prescale, postscale):
     parts of the first dimension, the first ranks one row more)."""
     mpi = _mpi()
     comm, size, rank = mpi._c(), mpi.size(), mpi.rank()
+    agree(comm, "reducescatter", **describe(tensor, op=int(op), prescale=float(prescale),
+                                            postscale=float(postscale)))
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor of at least one dimension")
     rows = _even_splits(tensor.shape[0], size)
@@ -410,6 +433,7 @@ def reducescatter_async(tensor, name=None, op=compat.Average, process_set=None,
 def grouped_reducescatter(tensors, name=None, compression=compat.Compression.none,
                           op=compat.Average, process_set=None, prescale_factor=1.0,
                           postscale_factor=1.0):
+    tensors = _group("grouped_reducescatter", tensors)
     return [reducescatter(t, name, compression, op, process_set, prescale_factor,
                           postscale_factor) for t in tensors]
 
@@ -418,6 +442,7 @@ def grouped_reducescatter_async(tensors, name=None, op=compat.Average, process_s
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
     _mpi()._global_only(process_set)
     op = _reducescatter_op(op)
+    tensors = _group("grouped_reducescatter", tensors)
     return _done([_reducescatter_blocking(t, op, prescale_factor, postscale_factor)
                   for t in tensors])
 
@@ -427,6 +452,7 @@ def join(device=-1) -> int:
     """Horovod's ``join`` where every rank calls it at the same point of its collectives (MPI
     cannot stand in for a rank that stopped early, as Horovod's background loop does): waits
     for all ranks and returns the rank that arrived last."""
+    agree(_mpi()._c(), "join")
     arrived = _mpi()._c().allgather(time.time())
     return int(np.argmax(arrived))
 

@@ -261,6 +261,11 @@ def test_more_collectives_answer_as_horovods(dropin):
         assert r["more_reducescatter_sum_grad"] == [[3.0 * n] * 2] * (2 * n + 1)
         assert r["more_join"] is True
         assert r["more_queries"] == [True, True]
+        # disagreeing ranks: the same clear error everywhere, then the job goes on
+        assert r["more_mismatches"] == {k: ["HorovodInternalError", True] for k in
+                                        ("shape", "op", "dtype", "root", "trailing")}, \
+            r["more_mismatches"]
+        assert r["more_after_mismatches"] == [float(n * (n + 1) // 2)]
 
 
 def test_mpi_broadcasts_in_chunks(dropin):

@@ -91,6 +91,20 @@ def test_a_dying_rank_ends_the_job_in_bounded_time(launcher, mpi_available):
     assert took < 120
 
 
+def test_an_exception_on_one_rank_ends_an_mpi4py_job(mpi4py_available):
+    """hvd_sparse.mpi: an uncaught exception on one rank aborts the job (its traceback
+    first), as Horovod's shutdown ends its ranks; it used to hang every rank (a peer's probe)."""
+    cmd = launch_command("mpirun", 2, WORKERS / "crash_mpi.py")
+    try:
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the job hung after an exception on rank 1")
+    assert proc.returncode != 0
+    assert "rank 1 fails during step 5" in proc.stderr
+    assert "aborting the job" in proc.stderr
+    assert "finished without noticing" not in proc.stdout
+
+
 def test_int64_indices_above_the_int32_limit(monkeypatch):
     """Selection and the wire switch to int64 past 2**31-1 entries (limit lowered to test it)."""
     monkeypatch.setattr(wire, "INT32_LIMIT", 999)

@@ -698,6 +698,25 @@ def scenario_more_collectives(res):
     except Exception as e:  # noqa: BLE001 - the type is part of the result
         res["more_join"] = f"{type(e).__name__}: {e}"
     res["more_queries"] = [isinstance(hvd.mpi_threads_supported(), bool), bool(hvd.mpi_built())]
+    # ranks that disagree: Horovod's coordinator raises on every rank, and the job goes on
+    mismatches = {
+        "shape": lambda: hvd.allreduce(torch.ones(3 + r)),
+        "op": lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum if r == 0 else hvd.Average),
+        "dtype": lambda: hvd.broadcast(torch.ones(2, dtype=torch.float32 if r else torch.float64),
+                                       root_rank=0),
+        "root": lambda: hvd.broadcast(torch.ones(2), root_rank=min(r, 1)),
+        "trailing": lambda: hvd.allgather(torch.ones(2, 2 + r))}
+    out = {}
+    for key, call in mismatches.items():
+        try:
+            call()
+            out[key] = "no error"
+        except hvd.HorovodInternalError as e:
+            out[key] = ["HorovodInternalError", "Mismatched" in str(e) or "mismatch" in str(e)]
+        except Exception as e:  # noqa: BLE001 - the type is part of the result
+            out[key] = f"{type(e).__name__}: {str(e)[:200]}"
+    res["more_mismatches"] = out
+    res["more_after_mismatches"] = hvd.allreduce(torch.ones(1) * (r + 1), op=hvd.Sum).tolist()
     hvd.allreduce(torch.ones(1), name="more.after")  # still in step with the others
 
 
