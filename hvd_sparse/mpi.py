@@ -7,7 +7,7 @@ around the optimizer (``init``, ``rank``, ``size``, ``local_rank``, ``local_size
 ``broadcast_object``, ``Average``/``Sum``/``Min``/``Max``/``Product``, ``Compression``), the rest
 of Horovod's collectives (async forms with ``poll``/``synchronize``, grouped forms, ``alltoall``,
 ``reducescatter``, ``join``: :mod:`hvd_sparse.mpi_collectives`, where MPI's one difference, call
-order, is explained) and a ``DistributedOptimizer`` that
+order, is explained), ``SyncBatchNorm`` (:mod:`hvd_sparse.sync_batch_norm`) and a ``DistributedOptimizer`` that
 uses :class:`hvd_sparse.transport.MPITransport`. It needs no Horovod (its reduction ops and
 compressors are used where it is installed). Objects are pickled with cloudpickle where it is
 installed (Horovod's choice: lambdas and local classes travel), else with pickle.
@@ -41,6 +41,7 @@ from .mpi_collectives import (  # noqa: F401 - Horovod's names
 from . import mpi_collectives
 from .mpi_guard import HorovodInternalError, agree, describe  # noqa: F401 - Horovod's name
 from . import mpi_guard
+from .sync_batch_norm import SyncBatchNorm  # noqa: F401 - Horovod's name
 
 _comm = None
 _layout = {}  # what init() found out collectively: local rank and size, cross rank and size

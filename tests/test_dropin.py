@@ -268,6 +268,19 @@ def test_more_collectives_answer_as_horovods(dropin):
         assert r["more_after_mismatches"] == [float(n * (n + 1) // 2)]
 
 
+def test_mpi_sync_batch_norm_is_one_batch_norm_over_all_ranks(dropin):
+    """hvd_sparse.mpi.SyncBatchNorm (ranks' batches of different sizes) against one
+    BatchNorm1d over the batches put together: outputs, input gradients, summed parameter
+    gradients and running statistics agree to float rounding, over two steps and in eval."""
+    if "sbn_output" not in dropin[0]:
+        pytest.skip("Horovod's own SyncBatchNorm needs CUDA: hvd_sparse.mpi's is tested")
+    for r in dropin:
+        assert r["sbn_output"] < 1e-5 and r["sbn_input_grad"] < 1e-5, r
+        assert r["sbn_param_grad"] < 1e-5 and r["sbn_eval"] < 1e-5, r
+        mean, var, tracked = r["sbn_running"]
+        assert mean < 1e-6 and var < 1e-5 and tracked == 2
+
+
 def test_mpi_broadcasts_in_chunks(dropin):
     """hvd_sparse.mpi's broadcast_, broadcast_object and allgather_object cut their bytes into
     chunks (MPI's int counts end at 2 GiB; one mpi4py bcast of AdamW's state over 268M

@@ -720,12 +720,60 @@ def scenario_more_collectives(res):
     hvd.allreduce(torch.ones(1), name="more.after")  # still in step with the others
 
 
+def scenario_sync_batch_norm(res):
+    """hvd_sparse.mpi's SyncBatchNorm against one BatchNorm over every rank's batch put
+    together: outputs, input and parameter gradients of the sum of all ranks' losses, running
+    statistics. (Horovod's own needs CUDA's statistics kernels: under Horovod on the CPU
+    there is nothing to compare.)"""
+    if BACKEND != "mpi":
+        return
+    r, n = hvd.rank(), hvd.size()
+
+    def batch(q):
+        g = torch.Generator().manual_seed(100 + q)
+        rows = 3 + q  # ranks' batches differ in size
+        return torch.randn(rows, 4, 5, generator=g) * (q + 1) + q, torch.randn(rows, 4, 5,
+                                                                               generator=g)
+
+    torch.manual_seed(0)
+    sync = hvd.SyncBatchNorm(4, momentum=0.3)
+    ref = torch.nn.BatchNorm1d(4, momentum=0.3)
+    with torch.no_grad():
+        sync.weight.uniform_(0.5, 1.5)
+        sync.bias.uniform_(-0.5, 0.5)
+    ref.load_state_dict(sync.state_dict())
+    for _ in range(2):  # running statistics over two steps
+        x, w = batch(r)
+        x.requires_grad_(True)
+        y = sync(x)
+        (y * w).sum().backward()
+        xs, ws = zip(*(batch(q) for q in range(n)))
+        full = torch.cat(xs).requires_grad_(True)
+        y_ref = ref(full)
+        (y_ref * torch.cat(ws)).sum().backward()
+        lo = sum(3 + q for q in range(r))
+        rows = slice(lo, lo + 3 + r)
+        res["sbn_output"] = float((y - y_ref[rows]).abs().max())
+        res["sbn_input_grad"] = float((x.grad - full.grad[rows]).abs().max())
+        summed = hvd.allreduce(torch.cat([sync.weight.grad, sync.bias.grad]), op=hvd.Sum)
+        res["sbn_param_grad"] = float((summed - torch.cat([ref.weight.grad, ref.bias.grad]))
+                                      .abs().max())
+        sync.zero_grad()
+        ref.zero_grad()
+    res["sbn_running"] = [float((sync.running_mean - ref.running_mean).abs().max()),
+                          float((sync.running_var - ref.running_var).abs().max()),
+                          int(sync.num_batches_tracked)]
+    sync.eval()
+    x, _ = batch(r)
+    res["sbn_eval"] = float((sync(x) - ref.eval()(x)).abs().max())
+
+
 SCENARIOS = [scenario_update_exchange, scenario_step_hooks, scenario_gradient_hooks_after_wrapping,
              scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
              scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
              scenario_sparse_embedding, scenario_memory_layouts, scenario_bfloat16_dense_tensor,
              scenario_step_with_closure, scenario_checkpoint_loads_weights_only,
-             scenario_collective_helpers, scenario_more_collectives]
+             scenario_collective_helpers, scenario_more_collectives, scenario_sync_batch_norm]
 
 
 if __name__ == "__main__":
