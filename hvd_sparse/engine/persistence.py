@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import warnings
 
-import torch
-
 from .. import checkpoint
 from ..feedback import Residual
 
@@ -151,18 +149,32 @@ class Checkpointing:
                 raise ValueError(f"bucket '{bname}' has {saved[bname]['numel']} entries in the "
                                  f"checkpoint and {b.numel} here")
         saved_kind = extra.get("exchange")  # (absent before the twenty-seventh session)
-        if saved_kind not in (None, self.exchange_kind()):
-            self._load_other_exchange(extra, saved_kind, mine)
-            return
-        own = extra["rank"] == t.rank() and extra["world_size"] == t.size()
+        other_kind = saved_kind not in (None, self.exchange_kind())
+        own = extra["rank"] == t.rank() and extra["world_size"] == t.size() and not other_kind
         fresh = all(self.state[b.index].uplink.buffer is None for b in mine.values())
-        if not own and fresh and any(v["uplink"] is not None for v in saved.values()):
+        if other_kind and any(v.get(k) is not None for v in saved.values()
+                              for k in ("uplink", "downlink", "velocity")):
+            # gradients where weight changes are expected, or the reverse: applied as they
+            # are, a gradient residual moved the weights 55 times as far as a step, uphill
+            warnings.warn(
+                f"hvd_sparse state saved with exchange=\"{saved_kind}\" loaded where "
+                f"\"{self.exchange_kind()}\" is exchanged: its residuals hold the other kind "
+                "of mass and are dropped (counters and sparsifier state are restored); resume "
+                f"with exchange=\"{saved_kind}\" to keep them")
+        elif not own and fresh and any(v["uplink"] is not None for v in saved.values()):
             warnings.warn(
                 f"hvd_sparse state from rank {extra['rank']} of {extra['world_size']} loaded on "
                 f"rank {t.rank()} of {t.size()}: downlink residuals and counters restored; this "
                 "rank's uplink residuals start from zero (save one state dict per rank to keep "
                 "them)")
         self.load_replicated(extra)
+        if other_kind:  # every residual, velocity and anchor starts afresh
+            for b in self.buckets:
+                st = self.state[b.index]
+                for r in (st.uplink, st.downlink, st.velocity):
+                    if r is not None:
+                        r.load(None)
+                st.anchor = None
         if own:
             for bname, b in mine.items():
                 st = self.state[b.index]
@@ -171,7 +183,7 @@ class Checkpointing:
                 if st.velocity is not None:
                     v = saved[bname].get("velocity")
                     st.velocity.load(None if v is None else v.to(b.params[0].device))
-        self._load_shards(saved, mine, own)
+        self._load_shards(saved, mine, own, drop=other_kind)
         measured = extra.get("measured")
         if own and measured is not None:  # timings are this rank's own, like its residuals
             index = {b.name: b.index for b in self.buckets}
@@ -188,32 +200,6 @@ class Checkpointing:
         """What the residuals hold: "gradient" mass, or "update" mass (weight changes)."""
         return "update" if self.config.exchanges_updates else "gradient"
 
-    def _load_other_exchange(self, extra, saved_kind, mine) -> None:
-        """A state saved while the other kind was exchanged: its residuals are gradients where
-        weight changes are expected, or the reverse (applied as they are, a gradient residual
-        moved the weights 55 times as far as a step should, uphill). Counters, sparsifier
-        state and cost choices are restored; every residual, velocity and anchor starts
-        afresh, said once."""
-        pending = any(v.get(k) is not None for v in extra["buckets"].values()
-                      for k in ("uplink", "downlink", "velocity"))
-        if pending:
-            warnings.warn(
-                f"hvd_sparse state saved with exchange=\"{saved_kind}\" loaded where "
-                f"\"{self.exchange_kind()}\" is exchanged: its residuals hold the other kind "
-                "of mass and are dropped (counters and sparsifier state are restored); resume "
-                f"with exchange=\"{saved_kind}\" to keep them")
-        self.load_replicated(extra)
-        for b in mine.values():
-            st = self.state[b.index]
-            st.downlink.load(None)
-            st.uplink.load(None)
-            if st.velocity is not None:
-                st.velocity.load(None)
-            st.shard, st.shard_layout, st.anchor = None, None, None
-        self.stats.load_state_dict(extra.get("stats", {}))
-        self._consolidated.clear()
-        self.agreement_due = True
-
     def take_pending(self) -> dict:
         """The mass loaded residuals hold, per sparse bucket index (flat; only non-zero ones),
         the residuals then emptied. For one process under Horovod, where the wrapped optimizer
@@ -226,13 +212,12 @@ class Checkpointing:
             st = self.state[b.index]
             if not b.sparse:
                 continue
-            parts = [r.buffer for r in (st.uplink, st.downlink, st.shard)
-                     if r is not None and r.buffer is not None]
-            if st.shard is not None and st.shard.buffer is not None:
+            parts = [r.buffer for r in (st.uplink, st.downlink) if r.buffer is not None]
+            if st.shard is not None and st.shard.buffer is not None:  # this rank's region
                 lo, hi = st.shard_layout[2:4]
-                parts[-1] = torch.zeros(b.numel, dtype=st.shard.buffer.dtype,
-                                        device=st.shard.buffer.device)
-                parts[-1][lo:hi] = st.shard.buffer
+                whole = st.shard.buffer.new_zeros(b.numel)
+                whole[lo:hi] = st.shard.buffer
+                parts.append(whole)
             for r in (st.uplink, st.downlink, st.velocity, st.shard):
                 if r is not None:
                     r.load(None)
@@ -245,9 +230,10 @@ class Checkpointing:
                     out[b.index] = total
         return out
 
-    def _load_shards(self, saved, mine, own) -> None:
+    def _load_shards(self, saved, mine, own, drop=False) -> None:
         """Sharded exchange: a region residual is restored on the rank that saved it, in a
-        job of the same size; elsewhere the region starts from zero, with a warning."""
+        job of the same size; elsewhere the region starts from zero, with a warning
+        (``drop``: from zero, the caller said why)."""
         dropped = []
         for bname, b in mine.items():
             st = self.state[b.index]
@@ -260,7 +246,7 @@ class Checkpointing:
                 st.shard.load(entry["residual"].to(b.params[0].device)
                               if entry["residual"] is not None else None)
                 st.shard_layout = tuple(entry["layout"])
-            elif entry["residual"] is not None and bool(entry["residual"].any()):
+            elif not drop and entry["residual"] is not None and bool(entry["residual"].any()):
                 dropped.append(bname)
         if dropped:
             warnings.warn(
