@@ -14,9 +14,14 @@ in the same run (all ranks run the same variant at once):
 - ``sparse_default``: ``hvd_sparse.mpi.DistributedOptimizer`` with its defaults (Top-K 1%, the
   time-based cost model, which may send buckets dense);
 - ``sparse_tensor``: the same with ``cost_model="off"``, one bucket per tensor;
-- ``sparse_model``: ``cost_model="off"``, ``scope="model"`` (one bucket, one global Top-K).
+- ``sparse_model``: ``cost_model="off"``, ``scope="model"`` (one bucket, one global Top-K);
+- ``sparse_bucket``: ``cost_model="off"``, ``scope="bucket"`` (25 MB buckets);
+- ``sparse_model_floor``: ``scope="model"`` with ``layer_floor=0.5``;
+- ``sparse_model_layerwise``, ``sparse_bucket_layerwise``: ``layer_floor=1.0``, each tensor its
+  own Top-K as under ``scope="tensor"``, in one bucket or in 25 MB buckets.
 
-Writes ``results/gpu_step_<device>.json`` (or ``--out``).
+Writes ``results/gpu_step_<device>.json`` (or ``--out``). ``--replot A.json B.json ...`` draws
+the runs' steps against their floors into ``results/gpu_step.png`` and stops.
 """
 from __future__ import annotations
 
@@ -51,7 +56,14 @@ def variant(name, model, lr=1e-3):
         return base
     extra = {"sparse_default": {},
              "sparse_tensor": {"cost_model": "off", "scope": "tensor"},
-             "sparse_model": {"cost_model": "off", "scope": "model"}}[name]
+             "sparse_model": {"cost_model": "off", "scope": "model"},
+             "sparse_bucket": {"cost_model": "off", "scope": "bucket"},
+             "sparse_model_floor": {"cost_model": "off", "scope": "model",
+                                    "layer_floor": 0.5},
+             "sparse_model_layerwise": {"cost_model": "off", "scope": "model",
+                                        "layer_floor": 1.0},
+             "sparse_bucket_layerwise": {"cost_model": "off", "scope": "bucket",
+                                         "layer_floor": 1.0}}[name]
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                     density=0.01, **extra)
 
@@ -66,7 +78,33 @@ def dense_exchange(model):
         off += g.numel()
 
 
+def plot(paths, out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - the attribute used below
+
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 4), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        names = list(run["variants"])
+        ms = [run["variants"][n]["step_s_median"] * 1e3 for n in names]
+        ax.barh(names, ms, color=["grey" if n == "floor" else "tab:blue" for n in names])
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("step (ms, median, slowest rank)")
+        ax.set_title(f"{run['parameters'] / 1e6:.0f}M parameters, "
+                     f"{run['tensors_at_least_1024']} tensors >= 1024\n"
+                     f"{run['ranks']} ranks on one {run['machine'].get('gpu', run['device'])}",
+                     fontsize=9)
+        ax.tick_params(axis="y", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--replot":
+        return plot(sys.argv[2:], RESULTS / "gpu_step.png")
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--layers", type=int, default=8)
