@@ -500,6 +500,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         out["cost_model"] = engine.cost_report()
         out["exchange"] = "update" if engine.config.exchanges_updates else "gradient"
         out["bidirectional"] = engine.config.bidirectional
+        out["transport"] = type(engine.transport).__name__
         return out
 
     def engine_state(self):

@@ -10,6 +10,7 @@ rank order (the sharded exchange). ``allreduce_async`` is used for tensors sent 
 from __future__ import annotations
 
 import torch
+import torch.distributed
 
 #: dtypes Horovod 0.28's collectives refuse: reduced in float32, gathered as bytes
 WIDENED = (torch.bfloat16,)
@@ -334,11 +335,12 @@ def _beside_horovod(t: "MPITransport") -> "MPITransport":
 
 
 def make_transport(spec=None, process_set=None) -> Transport:
-    """The ``transport=`` keyword: an instance, ``"horovod"``, ``"mpi"``, ``"local"`` or ``None``.
+    """The ``transport=`` keyword: an instance, ``"horovod"``, ``"mpi"``, ``"torch"``
+    (:mod:`hvd_sparse.torch_transport`), ``"local"`` or ``None``.
 
     ``None`` (or the environment variable ``HVD_SPARSE_TRANSPORT``) picks Horovod when it is
-    installed and initialised, else mpi4py when it is installed, else Horovod (whose error then
-    says what is missing).
+    installed and initialised, else ``torch.distributed`` when its process group is up, else
+    mpi4py when it is installed, else Horovod (whose error then says what is missing).
     """
     import os
 
@@ -355,6 +357,9 @@ def make_transport(spec=None, process_set=None) -> Transport:
                 spec = "horovod"
         except ImportError:
             pass
+        if spec is None and torch.distributed.is_available() \
+                and torch.distributed.is_initialized():
+            spec = "torch"
         if spec is None:
             try:
                 import mpi4py  # noqa: F401
@@ -374,4 +379,9 @@ def make_transport(spec=None, process_set=None) -> Transport:
         return _beside_horovod(MPITransport())
     if spec == "local":
         return LocalTransport()
-    raise ValueError(f"transport={spec!r} is not one of 'horovod', 'mpi', 'local' or a Transport")
+    if spec == "torch":
+        from .torch_transport import TorchDistributedTransport
+
+        return TorchDistributedTransport()
+    raise ValueError(f"transport={spec!r} is not one of 'horovod', 'mpi', 'torch', 'local' or "
+                     "a Transport")

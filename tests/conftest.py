@@ -1,4 +1,4 @@
-"""Shared helpers: run a worker script on N real ranks with mpirun or horovodrun."""
+"""Shared helpers: run a worker script on N real ranks with mpirun, horovodrun or torchrun."""
 import json
 import os
 import shutil
@@ -31,6 +31,9 @@ def launch_command(launcher, np_, *python_args):
         hr = Path(py).parent / "horovodrun"
         hr = str(hr) if hr.exists() else shutil.which("horovodrun")
         return [hr, "--gloo", "-np", str(np_), "-H", f"localhost:{np_}", py, *args]
+    if launcher == "torchrun":  # PyTorch's launcher; --standalone finds a free port itself
+        return [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                str(np_), *args]
     raise ValueError(launcher)
 
 
