@@ -2,6 +2,7 @@
 same models, bit for bit, as over mpi4py, and clear errors where no process group is up."""
 import importlib.util
 import shutil
+import sys
 
 import pytest
 import torch
@@ -102,3 +103,44 @@ def test_a_one_process_group_is_picked_and_trains(tmp_path):
         assert opt.communication_stats()["totals"]["bytes_sent"] > 0
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.multirank
+def test_torchdist_gives_horovods_helpers_under_torchrun(tmp_path):
+    proc, results = run_ranks("torchrun", 2, "torchdist_front_end.py", tmp_path)
+    for r in results:
+        assert "error" not in r, r["error"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in results:
+        assert r["size"] == 2 and r["local_size"] == 2 and r["local_rank"] == r["rank"]
+        assert r["weights_from_root"] and r["root_weights_kept"]
+        assert r["replicas_identical"] and r["transport"] == "TorchDistributedTransport"
+        assert r["lr_after_broadcast"] == 0.05  # rank 0's, loaded from the trained optimizer
+        assert r["momentum_buffers"] == 4
+        assert r["average"] == [1.5] * 3 and r["sum"] == [3.0] * 3
+        assert r["object"] == {"from": 1}
+
+
+@pytest.mark.multirank
+def test_training_cli_under_torchrun(tmp_path):
+    """python -m hvd_sparse.train --transport torch --ranks 2: relaunched under torchrun, it
+    trains, and its dense control is hvd_sparse at density 1."""
+    import json
+    import subprocess
+
+    from conftest import ROOT, _env
+
+    for optimizer in ("sparse", "dense"):
+        metrics = tmp_path / f"{optimizer}.jsonl"
+        cmd = [sys.executable, "-m", "hvd_sparse.train", "--transport", "torch", "--ranks", "2",
+               "--optimizer", optimizer, "--epochs", "2", "--train-limit", "2048",
+               "--test-limit", "500", "--metrics", str(metrics), "--cost-model", "off",
+               "--exchange", "gradient", "--no-progress"]
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300,
+                              cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        rec = json.loads(metrics.read_text().splitlines()[-1])
+        assert rec["ranks"] == 2 and rec["steps"] == 2 * (2048 // 2 // 64)
+        assert rec["test_accuracy"] > 0.3  # well above chance (0.1)
+        if optimizer == "sparse":
+            assert rec["bytes_sent"] * 10 < rec["dense_bytes"]

@@ -54,7 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--deterministic-dense", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--cost-model", default="time", choices=["time", "bytes", "off"],
                    help="per-bucket dense fallback: from measured time (default), bytes, or never")
-    p.add_argument("--transport", default=None, choices=["horovod", "mpi"])
+    p.add_argument("--transport", default=None, choices=["horovod", "mpi", "torch"],
+                   help="torch: torch.distributed under torchrun (--optimizer dense is then "
+                        "hvd_sparse at density 1, Horovod's step)")
     p.add_argument("--collective", default="auto", choices=["allgather", "sharded", "auto"],
                    help="how sparse buckets are exchanged (see DistributedOptimizer)")
     p.add_argument("--sharded-selection", default="global", choices=["global", "region"],
@@ -147,11 +149,12 @@ def workload_defaults(args) -> None:
 
 def _launched() -> bool:
     return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "HOROVOD_RANK", "PMI_SIZE",
-                                         "PMIX_RANK", "HOROVOD_HOSTNAME"))
+                                         "PMIX_RANK", "HOROVOD_HOSTNAME", "TORCHELASTIC_RUN_ID"))
 
 
 def _relaunch(args, argv):
-    """``--ranks N`` outside a launcher: run this same command under horovodrun -np N."""
+    """``--ranks N`` outside a launcher: run this same command under horovodrun -np N (under
+    torchrun with ``--transport torch``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cleaned, skip = [], False
     for a in argv:
@@ -167,6 +170,9 @@ def _relaunch(args, argv):
     runner = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable),
                                                          "horovodrun")
     cmd = [runner, "-np", str(args.ranks), sys.executable, "-m", "hvd_sparse.train", *cleaned]
+    if args.transport == "torch":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(args.ranks), "-m", "hvd_sparse.train", *cleaned]
     os.execv(cmd[0], cmd)
 
 
@@ -251,6 +257,9 @@ def exchange_defaults(args, base) -> None:
 
 
 def build_optimizer(args, model, base, hvd):
+    if args.optimizer == "dense" and args.transport == "torch":  # no Horovod under torchrun
+        return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                        density=1.0)
     if args.optimizer == "dense":
         import horovod.torch as real_hvd
         return real_hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
@@ -296,6 +305,9 @@ def main(argv=None):
         hvd = _Local()
     elif args.transport == "mpi":
         import hvd_sparse.mpi as hvd
+        hvd.init()
+    elif args.transport == "torch":
+        import hvd_sparse.torchdist as hvd
         hvd.init()
     else:
         if args.cycle_time_ms:

@@ -1,0 +1,63 @@
+"""hvd_sparse.torchdist, Horovod's training API over torch.distributed, under torchrun (run by
+tests/test_torch_transport.py): the helpers a script calls around its optimizer. Each rank
+writes OUTDIR/rank<r>.json."""
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+import hvd_sparse.torchdist as hvd
+
+torch.set_num_threads(1)
+
+
+def main(outdir):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    res = {"rank": rank, "size": size, "local_rank": hvd.local_rank(),
+           "local_size": hvd.local_size()}
+    try:
+        torch.manual_seed(rank)  # different weights per rank until the broadcast
+        m = torch.nn.Sequential(torch.nn.Linear(30, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+        hvd.broadcast_parameters(m.state_dict(), root_rank=1)
+        res["weights_from_root"] = hvd.allgather_object(
+            m[0].weight.detach().numpy().tobytes()) == [m[0].weight.detach().numpy().tobytes()] * size
+        torch.manual_seed(1)
+        res["root_weights_kept"] = bool(torch.equal(
+            m[0].weight.detach(), torch.nn.Linear(30, 64).weight.detach()))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                       named_parameters=m.named_parameters(), density=0.05,
+                                       cost_model="off")
+        for i in range(12):
+            g = torch.Generator().manual_seed(100 * rank + i)
+            opt.zero_grad()
+            F.cross_entropy(m(torch.randn(8, 30, generator=g)),
+                            torch.randint(0, 5, (8,), generator=g)).backward()
+            opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+        res["replicas_identical"] = len(set(hvd.allgather_object(flat.numpy().tobytes()))) == 1
+        res["transport"] = opt.communication_stats()["transport"]
+        # a fresh optimizer takes rank 0's state: momentum buffers and hyper-parameters
+        fresh = hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.5 if rank else 0.01, momentum=0.9),
+            named_parameters=m.named_parameters(), density=0.05, cost_model="off")
+        fresh.load_state_dict(opt.state_dict()) if rank == 0 else None
+        hvd.broadcast_optimizer_state(fresh, root_rank=0)
+        res["lr_after_broadcast"] = fresh.param_groups[0]["lr"]
+        res["momentum_buffers"] = sum("momentum_buffer" in s for s in fresh.state.values())
+        t = torch.full((3,), float(rank + 1))
+        res["average"] = hvd.allreduce(t).tolist()
+        res["sum"] = hvd.allreduce(t, op=hvd.Sum).tolist()
+        res["object"] = hvd.broadcast_object({"from": rank}, root_rank=size - 1)
+    except Exception:  # noqa: BLE001 - reported to the test
+        res["error"] = traceback.format_exc()
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
