@@ -1,15 +1,15 @@
 """hvd_sparse: sparse gradient exchange for Horovod, as a drop-in ``DistributedOptimizer``.
 
-``import hvd_sparse as hvd`` is a one-line switch: the optimizer (and
-``broadcast_optimizer_state``, which also carries hvd_sparse's replicated state) is hvd_sparse's,
-and every other name a Horovod training script uses (``init``, ``rank``, ``size``, ``broadcast_parameters``,
-``broadcast_optimizer_state``, ``Compression``, ``Average``, ``elastic``, ...) is Horovod's own,
+``import hvd_sparse as hvd`` is a one-line switch: the optimizer, ``broadcast_optimizer_state``
+(which also carries hvd_sparse's replicated state) and ``broadcast_parameters`` (Horovod's, for
+tensors of any memory layout) are hvd_sparse's, and every other name a Horovod training script
+uses (``init``, ``rank``, ``size``, ``Compression``, ``Average``, ``elastic``, ...) is Horovod's own,
 looked up in ``horovod.torch`` on first use. ``init`` is Horovod's too, after one preparation
 of the MPI environment (:mod:`hvd_sparse.core_sharing`), and so is ``join``, behind a check
 that no sparse bucket needs the joined rank (:func:`join`).
 """
 from . import core_sharing
-from .state_broadcast import broadcast_optimizer_state
+from .state_broadcast import broadcast_optimizer_state, broadcast_parameters
 from .checkpoint import ShardedStateWarning, merge_rank_states
 from .optimizer import DistributedOptimizer, is_sparse_optimizer
 from .sparsifiers import (AdaptiveTopK, GaussianK, HardThreshold, RandomK, SelectionContext,
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = ["init", "join", "DistributedOptimizer", "Sparsifier", "SelectionContext", "TopK", "GaussianK",
            "HardThreshold", "AdaptiveTopK", "SparseBinary", "RandomK", "make_sparsifier",
            "threshold_for_k", "is_sparse_optimizer", "broadcast_optimizer_state",
+           "broadcast_parameters",
            "merge_rank_states", "ShardedStateWarning"]
 
 

@@ -164,7 +164,9 @@ def _is_topk(sparsifier) -> bool:
     from .sparsifiers import TopK
 
     if isinstance(sparsifier, str):
-        return sparsifier.lower() == "topk"
+        from .sparsifiers import canonical
+
+        return canonical(sparsifier) == "topk"
     return isinstance(sparsifier, TopK)
 
 

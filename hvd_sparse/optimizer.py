@@ -528,7 +528,16 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._hs_written = None
+        groups = list(self.param_groups)
         self._hs_base.load_state_dict(self, state_dict)
+        # torch puts new group dicts in place of the old: an LR scheduler made on the optimizer
+        # before it was wrapped holds the old ones (shared with the wrapper) and would go on
+        # setting a rate nobody reads. The loaded values go into the old dicts instead.
+        for i, (old, new) in enumerate(zip(groups, self.param_groups)):
+            if old is not new:
+                old.clear()
+                old.update(new)
+                self.param_groups[i] = old
         if extra is not None:
             self._hs_engine.load_state_dict(extra)
 

@@ -1,4 +1,11 @@
-"""``broadcast_optimizer_state`` for Horovod jobs that also carries hvd_sparse's replicated state.
+"""Horovod's two start-of-training broadcasts, for hvd_sparse jobs.
+
+``broadcast_parameters`` is Horovod's, except that tensors Horovod's in-place broadcast refuses
+(non-contiguous ones: a ``channels_last`` model's convolution weights, a transposed view) go
+through a contiguous copy and come back in their own layout, and any iterable of tensors or
+(name, tensor) pairs is taken (Horovod's takes a dict or a list).
+
+``broadcast_optimizer_state`` also carries hvd_sparse's replicated state.
 
 Horovod's own function (which ``hvd_sparse`` optimizers support as they are) copies the base
 optimizer's state and hyper-parameters from the root. hvd_sparse's replicated state (downlink
@@ -10,7 +17,33 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 from .checkpoint import ShardedStateWarning
+
+
+def broadcast_parameters(params, root_rank, **kwargs):
+    """Horovod's ``broadcast_parameters`` (same order, names and process set), for tensors of
+    any memory layout."""
+    import horovod.torch as hvd
+
+    if not isinstance(params, (dict, list)):
+        params = list(params)  # e.g. named_parameters(), a generator
+    items = params.items() if isinstance(params, dict) else \
+        [p if isinstance(p, tuple) else (None, p) for p in params]
+    strided = [(n, p) for n, p in items
+               if isinstance(p, torch.Tensor) and not p.is_contiguous()]
+    if not strided:
+        return hvd.broadcast_parameters(params, root_rank, **kwargs)
+    copies = {id(p): p.detach().contiguous() for _, p in strided}
+    if isinstance(params, dict):
+        stand_in = {k: copies.get(id(v), v) for k, v in params.items()}
+    else:  # (None, tensor) is how Horovod takes a bare tensor itself
+        stand_in = [(n, copies.get(id(p), p)) for n, p in items]
+    hvd.broadcast_parameters(stand_in, root_rank, **kwargs)
+    with torch.no_grad():
+        for _, p in strided:
+            p.copy_(copies[id(p)])
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0, model=None, **kwargs):

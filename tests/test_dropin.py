@@ -158,6 +158,15 @@ def test_non_contiguous_parameters_train_as_row_major_ones(dropin, optimizer):
         assert r[f"layout_{optimizer}_rowmajor_kept"] and r[f"layout_{optimizer}_strided_kept"]
 
 
+@pytest.mark.parametrize("how", ["dict", "list", "generator"])
+def test_broadcast_parameters_takes_a_channels_last_model(dropin, how):
+    """``hvd.broadcast_parameters(model.state_dict(), root)`` of a channels_last model: the
+    root's values everywhere, layout kept (Horovod's own refuses non-contiguous tensors)."""
+    for r in dropin:
+        assert r[f"layout_broadcast_{how}_from_root"]
+        assert r[f"layout_broadcast_{how}_kept"]
+
+
 def test_bfloat16_gradients_are_averaged_where_horovod_refuses_them(dropin):
     for r in dropin:
         assert r["bf16_ranks_differ"] and r["bf16_dense_mean"]

@@ -49,6 +49,32 @@ def test_topk_edge_counts():
         make_sparsifier("bogus")
 
 
+@pytest.mark.parametrize("spelling, cls", [
+    ("top_k", "TopK"), ("Top-K", "TopK"), ("gaussian_k", "GaussianK"),
+    ("hard_threshold", "HardThreshold"), ("adaptive_topk", "AdaptiveTopK"),
+    ("sparse_binary", "SparseBinary"), ("SBC", "SparseBinary"), ("random_k", "RandomK")])
+def test_sparsifier_names_as_papers_spell_them(spelling, cls):
+    options = {"threshold": 0.1} if cls == "HardThreshold" else {}
+    assert type(make_sparsifier(spelling, **options)).__name__ == cls
+
+
+def test_sparsifier_options_of_another_method_are_named_as_such():
+    with pytest.raises(TypeError, match=r"takes no option threshold= \(threshold= is for "
+                                        r"sparsifier='threshold'\)"):
+        make_sparsifier("topk", threshold=1e-3)
+    with pytest.raises(TypeError, match="needs threshold=.*threshold_for_k"):
+        make_sparsifier("hard_threshold")
+    with pytest.raises(TypeError, match="gamma= is for sparsifier='adaptive'"):
+        make_sparsifier("sbc", gamma=2.0)
+    m = torch.nn.Linear(3000, 2)  # through the optimizer's keywords too; a scope by alias
+    with pytest.raises(TypeError, match="takes no option threshold="):
+        hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                        named_parameters=m.named_parameters(), threshold=0.1,
+                                        transport="local")
+    from hvd_sparse.buckets import resolve_scope
+    assert resolve_scope("auto", 0.001, "top_k") == "model"
+
+
 @pytest.mark.parametrize("dtype,wire_dtype", [(torch.float32, torch.float32),
                                               (torch.float32, torch.float16),
                                               (torch.float32, torch.bfloat16),

@@ -140,9 +140,9 @@ def _nonneg_int(name, value, minimum=0):
 def _takes(sparsifier, keyword) -> bool:
     """Does the method named ``sparsifier`` take ``keyword`` (an instance is configured
     already)?"""
-    from ..sparsifiers import SPARSIFIERS
+    from ..sparsifiers import SPARSIFIERS, canonical
 
-    cls = SPARSIFIERS.get(sparsifier.lower()) if isinstance(sparsifier, str) else None
+    cls = SPARSIFIERS.get(canonical(sparsifier)) if isinstance(sparsifier, str) else None
     return cls is not None and keyword in inspect.signature(cls.__init__).parameters
 
 

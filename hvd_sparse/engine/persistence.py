@@ -7,6 +7,7 @@ residual a rank owns. ``state_dict`` is versioned (``STATE_FORMAT``).
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 from .. import checkpoint
@@ -89,6 +90,10 @@ class Checkpointing:
                 entry["downlink"] = st.downlink.state()
                 entry["uplink"] = st.uplink.state()
                 entry["velocity"] = st.velocity.state() if st.velocity else None
+                if b.index in self._snapshots:  # between backward() and step(): see below
+                    res, vel = self._snapshots[b.index]
+                    entry["uplink"] = None if res is None else res.detach().clone()
+                    entry["velocity"] = None if vel is None else vel.clone()
                 entry["load"] = None if st.load is None else st.load.clone()
                 entry["shard"] = None
                 if b.index in self._consolidated:
@@ -99,6 +104,14 @@ class Checkpointing:
                     partial = partial or st.shard.buffer is not None
         if partial and t.rank() == 0 and t.size() > 1:
             warnings.warn(checkpoint.PARTIAL_STATE_MESSAGE, checkpoint.ShardedStateWarning)
+        if self._sparsifier_snapshot is not None:
+            # Taken between backward() and step() (a checkpoint hook after backward, say):
+            # buckets exchanged by a method's plain form already folded this step's gradient
+            # into their residual, and stateful methods (adaptive k) moved on. The state as the
+            # step found it was kept for a non-finite step's rollback; that is the one saved,
+            # so that repeating the backward after a resume equals not stopping.
+            rep["sparsifier"] = copy.deepcopy(self._sparsifier_snapshot[0])
+            rep["downlink_sparsifier"] = copy.deepcopy(self._sparsifier_snapshot[1])
         rep["anchors"] = {k: v.clone() for k, v in rep["anchors"].items()}
         # this rank's timings for the time cost model (not yet calibrated on, or to price the
         # next calibration): a process resumed just before the calibration had none and

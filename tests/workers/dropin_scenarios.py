@@ -439,6 +439,22 @@ def scenario_memory_layouts(res):
         res[f"layout_{name}_replicas"] = same_everywhere(runs["strided"])
         res[f"layout_{name}_moved"] = float((runs["strided"] - torch.cat(
             [v.reshape(-1) for v in values])).abs().max())
+    # the first line of a channels_last script: broadcast_parameters of its state_dict (Horovod's
+    # own refuses non-contiguous tensors), by dict, list and generator
+    for how in ("dict", "list", "generator"):
+        torch.manual_seed(hvd.rank())  # different weights per rank until the broadcast
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 1)).to(
+            memory_format=torch.channels_last)
+        strides = [p.stride() for p in net.parameters()]
+        src = {"dict": lambda: net.state_dict(), "list": lambda: list(net.named_parameters()),
+               "generator": lambda: net.named_parameters()}[how]()
+        hvd.broadcast_parameters(src, root_rank=1)
+        torch.manual_seed(1)
+        want = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 4, 1))
+        res[f"layout_broadcast_{how}_from_root"] = all(
+            torch.equal(a.detach(), b.detach()) for a, b in zip(net.parameters(),
+                                                                  want.parameters()))
+        res[f"layout_broadcast_{how}_kept"] = [p.stride() for p in net.parameters()] == strides
 
 
 def scenario_bfloat16_dense_tensor(res):
