@@ -30,6 +30,7 @@ from .compat import Adasum, Average, Compression, Sum  # noqa: F401
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
 from .checkpoint import ShardedStateWarning, merge_rank_states  # noqa: F401
 from .transport import MPITransport
+from .state_broadcast import broadcast_state_as_object
 from .mpi_collectives import (  # noqa: F401 - Horovod's names
     Max, Min, Product, allgather_async, allreduce_async, allreduce_async_, alltoall,
     alltoall_async, broadcast_async, broadcast_async_, ccl_built, cuda_built, ddl_built,
@@ -373,14 +374,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None):
     the next exchange. Each rank keeps its own uplink residuals. Call it on every rank.
     ``model`` is accepted for Horovod's signature (its sparse embeddings need nothing here:
     the state travels whole, so a fresh optimizer needs no initialising step either)."""
-    with warnings.catch_warnings():  # the state dict read here is not a checkpoint
-        warnings.simplefilter("ignore", ShardedStateWarning)
-        sd = optimizer.state_dict()
-    sd.pop("hvd_sparse", None)
-    optimizer.load_state_dict(broadcast_object(sd, root_rank))
-    engine = getattr(optimizer, "_hs_engine", None)
-    if engine is not None:
-        engine.request_agreement(root_rank)
+    broadcast_state_as_object(optimizer, root_rank, broadcast_object)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, *args, **kwargs):

@@ -57,3 +57,18 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, **kwargs):
     engine = getattr(optimizer, "_hs_engine", None)
     if engine is not None:
         engine.request_agreement(root_rank)
+
+
+def broadcast_state_as_object(optimizer, root_rank, broadcast_object):
+    """``broadcast_optimizer_state`` for the Horovod-free front ends: the root's state dict,
+    less the per-rank part, travels whole as one object (``broadcast_object``, the front
+    end's), so a fresh optimizer needs no initialising step; the replicated state is taken
+    before the next exchange. Each rank keeps its own uplink residuals."""
+    with warnings.catch_warnings():  # the state dict read here is not a checkpoint
+        warnings.simplefilter("ignore", ShardedStateWarning)
+        sd = optimizer.state_dict()
+    sd.pop("hvd_sparse", None)
+    optimizer.load_state_dict(broadcast_object(sd, root_rank))
+    engine = getattr(optimizer, "_hs_engine", None)
+    if engine is not None:
+        engine.request_agreement(root_rank)

@@ -13,14 +13,13 @@ matches collectives by call order: every rank must call them in the same order.
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import ShardedStateWarning
 from .compat import Average, Compression, Sum  # noqa: F401 - Horovod's names, Compression too
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
+from .state_broadcast import broadcast_state_as_object
 from .torch_transport import TorchDistributedTransport
 
 
@@ -144,14 +143,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None):
     """Give every rank rank ``root_rank``'s optimizer state and hyper-parameters; for an
     hvd_sparse optimizer, also its replicated state (downlink residuals, counters), taken before
     the next exchange. Each rank keeps its own uplink residuals. Call it on every rank."""
-    with warnings.catch_warnings():  # the state dict read here is not a checkpoint
-        warnings.simplefilter("ignore", ShardedStateWarning)
-        sd = optimizer.state_dict()
-    sd.pop("hvd_sparse", None)
-    optimizer.load_state_dict(broadcast_object(sd, root_rank))
-    engine = getattr(optimizer, "_hs_engine", None)
-    if engine is not None:
-        engine.request_agreement(root_rank)
+    broadcast_state_as_object(optimizer, root_rank, broadcast_object)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, *args, **kwargs):
