@@ -5,6 +5,8 @@ have a process group already: ``dist.init_process_group("gloo")`` on CPUs, ``"nc
 This transport carries the engine's exchange over that group, so ``DistributedOptimizer(...,
 transport="torch")`` (picked by itself when a process group is up and Horovod is not) trains
 exactly as over Horovod or mpi4py: the same payload bytes, summed in the same rank order.
+(Dense buckets under ``deterministic_dense=False`` go through the backend's own allreduce,
+whose summation order is its own, as Horovod's and MPI's are.)
 
 Like MPI, ``torch.distributed`` matches collectives by the order they are started, so
 ``ordered`` is set and the engine starts buckets in one fixed order on every rank. Variable-size

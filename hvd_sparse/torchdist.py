@@ -5,8 +5,10 @@ What a data-parallel script calls around its optimizer, with Horovod's names and
 ``init`` (starts the process group from torchrun's environment unless one is up: NCCL where
 CUDA is, else gloo), ``rank``, ``size``, ``local_rank``, ``local_size``, ``cross_rank``,
 ``cross_size``, ``broadcast_parameters``, ``broadcast_optimizer_state`` (hvd_sparse's
-replicated state too), ``broadcast_object``, ``allgather_object``, ``allreduce`` (``Average``
-or ``Sum``), ``shutdown``, and a ``DistributedOptimizer`` over
+replicated state too), ``broadcast_object``, ``allgather_object``, ``allreduce``/``allreduce_``
+(``Average``, ``Sum``, ``Min``, ``Max``, ``Product``; integers too; differentiable),
+``allgather`` (uneven first dimensions; differentiable), ``broadcast``/``broadcast_``,
+``shutdown``, and a ``DistributedOptimizer`` over
 :class:`hvd_sparse.torch_transport.TorchDistributedTransport`. Like MPI, torch.distributed
 matches collectives by call order: every rank must call them in the same order.
 """
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .compat import Average, Compression, Sum  # noqa: F401 - Horovod's names, Compression too
+from .mpi_collectives import Max, Min, Product  # noqa: F401 - Horovod's values
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
 from .state_broadcast import broadcast_state_as_object
 from .torch_transport import TorchDistributedTransport
@@ -101,21 +104,139 @@ def allgather_object(obj, name=None) -> list:
     return out
 
 
+class _Allreduce(torch.autograd.Function):
+    """Differentiable as Horovod's: the gradient is reduced the same way (Average, Sum)."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, prescale, postscale):
+        ctx.args = (op, prescale, postscale)
+        return _reduce(tensor.detach(), op, prescale, postscale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Allreduce.apply(grad, *ctx.args), None, None, None
+
+
+def _reduce(tensor, op, prescale, postscale):
+    """Floats under Average/Sum through the transport (its float32 widening of half types);
+    everything else with the backend's own op on a copy, integer averages truncated toward
+    zero as Horovod's."""
+    if tensor.dtype.is_floating_point and op in (Average, Sum):
+        t = TorchDistributedTransport()
+        out = t.wait(t.allreduce_async(tensor, "allreduce", average=op == Average,
+                                       prescale=prescale, postscale=postscale))
+        return out.view(tensor.shape)
+    if tensor.dtype == torch.bool or tensor.is_complex():
+        raise TypeError(f"hvd_sparse.torchdist.allreduce does not reduce {tensor.dtype}")
+    if not tensor.dtype.is_floating_point and (prescale != 1.0 or postscale != 1.0):
+        raise TypeError("scale factors apply to floating-point tensors only")
+    work = tensor.detach().to(_device(), copy=True).contiguous()
+    if prescale != 1.0:
+        work.mul_(prescale)
+    reduce_op = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
+                 Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}[op]
+    dist.all_reduce(work, op=reduce_op)
+    if op == Average:
+        work = torch.div(work, size(), rounding_mode="trunc") if not work.dtype.is_floating_point \
+            else work / size()
+    if postscale != 1.0:
+        work.mul_(postscale)
+    return work.to(tensor.device).view(tensor.shape)
+
+
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-              postscale_factor=1.0):
-    """Horovod's ``allreduce`` of a float tensor (``Average`` unless ``op=Sum`` or
-    ``average=False``): a new tensor, on the input's device."""
+              postscale_factor=1.0, compression=None, process_set=None):
+    """Horovod's ``allreduce``: a new tensor on the input's device, reduced with ``op``
+    (``Average`` unless ``average=False``; ``Sum``, ``Min``, ``Max``, ``Product``), integers
+    too (their average truncated as Horovod's), differentiable for Average and Sum."""
     _group()
+    _global_only(process_set)
     if op is None:
         op = Sum if average is False else Average
-    if op not in (Average, Sum):
-        raise ValueError("hvd_sparse.torchdist.allreduce takes op=Average or op=Sum")
-    if not tensor.dtype.is_floating_point:
-        raise TypeError("hvd_sparse.torchdist.allreduce takes floating-point tensors")
-    t = TorchDistributedTransport()
-    out = t.wait(t.allreduce_async(tensor, name or "allreduce", average=op == Average,
-                                   prescale=prescale_factor, postscale=postscale_factor))
-    return out.view(tensor.shape)
+    if op not in (Average, Sum, Min, Max, Product):
+        raise ValueError(f"op={op!r}: hvd_sparse.torchdist reduces with Average, Sum, Min, "
+                         "Max or Product")
+    if tensor.requires_grad and op in (Average, Sum) and torch.is_grad_enabled():
+        return _Allreduce.apply(tensor, op, prescale_factor, postscale_factor)
+    return _reduce(tensor, op, prescale_factor, postscale_factor)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=None):
+    """In place: ``tensor`` holds the reduction."""
+    with torch.no_grad():
+        tensor.copy_(allreduce(tensor.detach(), average, name, op, prescale_factor,
+                               postscale_factor, process_set=process_set))
+    return tensor
+
+
+class _Allgather(torch.autograd.Function):
+    """Differentiable as Horovod's: each rank's gradient is the sum over ranks of the
+    gradient's rows that came from it."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        out, rows = _gather(tensor.detach())
+        ctx.rows = rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed = _reduce(grad.contiguous(), Sum, 1.0, 1.0)
+        lo = sum(ctx.rows[:rank()])
+        return summed[lo:lo + ctx.rows[rank()]]
+
+
+def _gather(tensor):
+    """Every rank's ``tensor`` concatenated along the first dimension (rows may differ)."""
+    where = _device()
+    t = tensor.to(where).contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    rows = torch.tensor([t.shape[0]], dtype=torch.int64, device=where)
+    every = [torch.empty_like(rows) for _ in range(size())]
+    dist.all_gather(every, rows)
+    counts = [int(r) for r in torch.cat(every).tolist()]
+    longest = max(counts)
+    padded = t if t.shape[0] == longest else torch.cat(
+        [t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
+    parts = [torch.empty_like(padded) for _ in range(size())]
+    dist.all_gather(parts, padded)
+    out = torch.cat([p[:c] for p, c in zip(parts, counts)])
+    return out.to(tensor.device), counts
+
+
+def allgather(tensor, name=None, process_set=None):
+    """Horovod's ``allgather``: every rank's tensor concatenated along the first dimension, in
+    rank order (first dimensions may differ; the others must not); differentiable."""
+    _group()
+    _global_only(process_set)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _Allgather.apply(tensor)
+    return _gather(tensor)[0]
+
+
+def broadcast_(tensor, root_rank=0, name=None, process_set=None):
+    """In place: ``tensor`` takes rank ``root_rank``'s values."""
+    _group()
+    _global_only(process_set)
+    with torch.no_grad():
+        work = tensor.detach().to(_device()).contiguous()  # the tensor itself where it can be
+        dist.broadcast(work, src=root_rank)
+        if work.data_ptr() != tensor.data_ptr():
+            tensor.copy_(work)
+    return tensor
+
+
+def broadcast(tensor, root_rank=0, name=None, process_set=None):
+    """A new tensor with rank ``root_rank``'s values."""
+    return broadcast_(tensor.detach().clone(), root_rank, name, process_set)
+
+
+def _global_only(process_set):
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise ValueError("hvd_sparse.torchdist works on the default process group only "
+                         "(Horovod's process sets are Horovod's)")
 
 
 def broadcast_parameters(params, root_rank=0):

@@ -119,6 +119,13 @@ def test_torchdist_gives_horovods_helpers_under_torchrun(tmp_path):
         assert r["momentum_buffers"] == 4
         assert r["average"] == [1.5] * 3 and r["sum"] == [3.0] * 3
         assert r["object"] == {"from": 1}
+        # ints [1, -1] and [2, -4]: Horovod's integer average truncates toward zero
+        assert r["int_average"] == [1, -2] and r["int_sum"] == [3, -5]
+        assert r["min_max_product"] == [[1, -4], [2, -1], [2, 4]]
+        assert r["allreduce_grad"] == [3.0, 3.0]  # weights 1 and 2, summed back
+        assert r["allgather"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+        assert r["allgather_grad"] == [[3.0, 3.0]] * (r["rank"] + 1)
+        assert r["broadcast_"] == [1.0] * 3 and r["broadcast"] == [0]
 
 
 @pytest.mark.multirank

@@ -52,6 +52,23 @@ def main(outdir):
         res["average"] = hvd.allreduce(t).tolist()
         res["sum"] = hvd.allreduce(t, op=hvd.Sum).tolist()
         res["object"] = hvd.broadcast_object({"from": rank}, root_rank=size - 1)
+        ints = torch.tensor([rank + 1, -3 * rank - 1])
+        res["int_average"] = hvd.allreduce(ints).tolist()  # truncated toward zero
+        res["int_sum"] = hvd.allreduce(ints, op=hvd.Sum).tolist()
+        res["min_max_product"] = [hvd.allreduce(ints, op=op).tolist()
+                                  for op in (hvd.Min, hvd.Max, hvd.Product)]
+        x = torch.full((2,), float(rank + 1), requires_grad=True)
+        (hvd.allreduce(x, op=hvd.Sum) * (rank + 1)).sum().backward()
+        res["allreduce_grad"] = x.grad.tolist()  # the sum over ranks of each one's weight
+        rows = torch.full((rank + 1, 2), float(rank), requires_grad=True)
+        gathered = hvd.allgather(rows)
+        res["allgather"] = gathered.tolist()
+        (gathered * (rank + 1)).sum().backward()
+        res["allgather_grad"] = rows.grad.tolist()
+        b = torch.full((3,), float(rank))
+        hvd.broadcast_(b, root_rank=1)
+        res["broadcast_"] = b.tolist()
+        res["broadcast"] = hvd.broadcast(torch.tensor([rank]), root_rank=0).tolist()
     except Exception:  # noqa: BLE001 - reported to the test
         res["error"] = traceback.format_exc()
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
