@@ -805,7 +805,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # same param groups, state and hooks
     _rebind_instance_step(wrapped, optimizer)
-    wrapped._hs_init(named, Engine(config, plan, transport), exchange_auto=exchange_auto,
+    engine = Engine(config, plan, transport)
+    engine.wrapped_optimizer = base.__name__  # compared across ranks, named first when it differs
+    wrapped._hs_init(named, engine, exchange_auto=exchange_auto,
                      bidirectional_auto=bidirectional_auto,
                      process_set=process_set)
     _LIVE.add(wrapped)

@@ -34,7 +34,9 @@ def test_replica_verification_names_the_diverging_tensor(faults):
 
 @pytest.mark.parametrize("case,word", [("extra_layer", "buckets"), ("shape", "numel"),
                                        ("density", "density"), ("bpps", "backward_passes"),
-                                       ("sparsifier", "sparsifier")])
+                                       ("sparsifier", "sparsifier"),
+                                       ("optimizer", "'optimizer' is 'SGD' on rank 0 but "
+                                                     "'AdamW'")])
 def test_mismatched_ranks_fail_clearly_on_every_rank(faults, case, word):
     for r in faults:
         msg = r["mismatch"][case]

@@ -75,6 +75,7 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
 
     def __init__(self, config: EngineConfig, buckets, transport):
         self.config = config
+        self.wrapped_optimizer = None  # its class name, set by the front end
         self.buckets = list(buckets)
         self.any_sparse = any(b.sparse for b in self.buckets)  # fixed by the plan
         self.transport = transport
@@ -184,6 +185,9 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         c = self.config
         return {
             "world_size": self.transport.size(),
+            # the wrapped optimizer's class: it decides what is exchanged (exchange="auto"),
+            # so a rank with another one differs in options too, but this says why
+            "optimizer": self.wrapped_optimizer,
             "buckets": [{"name": b.name, "numel": b.numel, "dtype": str(b.dtype),
                          "sparse": b.sparse, "params": [
                              [n, list(p.shape), str(p.dtype), list(sl)]

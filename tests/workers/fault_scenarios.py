@@ -36,12 +36,13 @@ def flat(m):
     return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
 
-def make(m, **kw):
+def make(m, base=None, **kw):
     kw.setdefault("density", 0.1)
     kw.setdefault("min_sparse_numel", 0)
     kw.setdefault("cost_model", "off")  # these scenarios test the sparse path itself
-    return hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                                    named_parameters=m.named_parameters(), **kw)
+    base = base(m.parameters()) if base else torch.optim.SGD(m.parameters(), lr=0.1,
+                                                              momentum=0.9)
+    return hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(), **kw)
 
 
 def scenario_verify(res):
@@ -70,6 +71,8 @@ def scenario_mismatch(res):
         "density": lambda: (model(), {"density": 0.1 if rank == 0 else 0.2}),
         "bpps": lambda: (model(), {"backward_passes_per_step": 1 + (rank == 1)}),
         "sparsifier": lambda: (model(), {"sparsifier": "topk" if rank == 0 else "randomk"}),
+        "optimizer": lambda: (model(), {"base": None if rank == 0 else (
+            lambda ps: torch.optim.AdamW(ps, lr=1e-3))}),
     }
     out = {}
     for name, build in cases.items():
