@@ -297,6 +297,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.ranks and not _launched() and args.optimizer != "local":
         _relaunch(args, argv)
+    elif args.ranks and args.ranks > 1 and not _launched():
+        print(f"hvd_sparse.train: --optimizer local runs one process; --ranks {args.ranks} is "
+              "not used (for the floor at a rank count, start that many under a launcher)",
+              file=sys.stderr, flush=True)
     workload_defaults(args)
     torch.set_num_threads(args.threads)
     from .workloads import WORKLOADS
