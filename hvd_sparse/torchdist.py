@@ -144,11 +144,13 @@ def _reduce(tensor, op, prescale, postscale):
     return work.to(tensor.device).view(tensor.shape)
 
 
-def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, compression=None, process_set=None):
-    """Horovod's ``allreduce``: a new tensor on the input's device, reduced with ``op``
-    (``Average`` unless ``average=False``; ``Sum``, ``Min``, ``Max``, ``Product``), integers
-    too (their average truncated as Horovod's), differentiable for Average and Sum."""
+def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=None):
+    """Horovod's ``allreduce``, with its signature: a new tensor on the input's device,
+    reduced with ``op`` (``Average`` unless ``average=False``; ``Sum``, ``Min``, ``Max``,
+    ``Product``), integers too (their average truncated as Horovod's), differentiable for
+    Average and Sum. ``compression`` is accepted and not applied (the sum is in full
+    precision)."""
     _group()
     _global_only(process_set)
     if op is None:
@@ -165,8 +167,9 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
     """In place: ``tensor`` holds the reduction."""
     with torch.no_grad():
-        tensor.copy_(allreduce(tensor.detach(), average, name, op, prescale_factor,
-                               postscale_factor, process_set=process_set))
+        tensor.copy_(allreduce(tensor.detach(), average, name, op=op,
+                               prescale_factor=prescale_factor,
+                               postscale_factor=postscale_factor, process_set=process_set))
     return tensor
 
 
