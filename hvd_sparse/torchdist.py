@@ -179,9 +179,8 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor):
-        out, rows = _gather(tensor.detach())
-        ctx.rows = rows
-        return out
+        ctx.rows = allgather_object(tensor.shape[0] if tensor.dim() else 1)
+        return _gather(tensor.detach())
 
     @staticmethod
     def backward(ctx, grad):
@@ -191,22 +190,12 @@ class _Allgather(torch.autograd.Function):
 
 
 def _gather(tensor):
-    """Every rank's ``tensor`` concatenated along the first dimension (rows may differ)."""
-    where = _device()
-    t = tensor.to(where).contiguous()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    rows = torch.tensor([t.shape[0]], dtype=torch.int64, device=where)
-    every = [torch.empty_like(rows) for _ in range(size())]
-    dist.all_gather(every, rows)
-    counts = [int(r) for r in torch.cat(every).tolist()]
-    longest = max(counts)
-    padded = t if t.shape[0] == longest else torch.cat(
-        [t, t.new_zeros((longest - t.shape[0],) + tuple(t.shape[1:]))])
-    parts = [torch.empty_like(padded) for _ in range(size())]
-    dist.all_gather(parts, padded)
-    out = torch.cat([p[:c] for p, c in zip(parts, counts)])
-    return out.to(tensor.device), counts
+    """Every rank's ``tensor`` concatenated along the first dimension (rows may differ), by
+    the transport's byte all-gather (sizes first, padded, cut again)."""
+    t = TorchDistributedTransport()
+    mine = tensor.contiguous().reshape(-1).view(torch.uint8)
+    out = t.wait(t.allgather_async(mine, "allgather"))
+    return out.view(tensor.dtype).reshape((-1,) + tuple(tensor.shape[1:]))
 
 
 def allgather(tensor, name=None, process_set=None):
@@ -216,7 +205,7 @@ def allgather(tensor, name=None, process_set=None):
     _global_only(process_set)
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Allgather.apply(tensor)
-    return _gather(tensor)[0]
+    return _gather(tensor)
 
 
 def broadcast_(tensor, root_rank=0, name=None, process_set=None):
