@@ -505,3 +505,29 @@ def test_scatter_add_twin_equals_an_add_then_a_copy(scale):
     untouched = torch.ones(n, dtype=torch.bool)
     untouched[torch.cat([first, second])] = False
     assert torch.all(twin[untouched & (torch.arange(n) % 7 == 0)] == 123.0)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="numba is not installed: the CPU fast path is "
+                                                "not exercised")
+@pytest.mark.parametrize("minus", [False, True])
+def test_numba_sample_equals_indexing(minus):
+    """The numba sample (whole vector, or pieces of a bucket's gradient, less the anchor) reads
+    the same floats as torch's indexing: the sampled threshold, and so the scan's candidates,
+    are the same on every backend."""
+    n = 300_000
+    gen = torch.Generator().manual_seed(3)
+    grad, res, anchor = (torch.randn(n, generator=gen) for _ in range(3))
+    pos = select.sample_positions(n)
+    want = reference.sample(grad, res, pos)
+    assert np.array_equal(cpu.sample(grad, res, pos), want)
+    assert np.array_equal(cpu.sample(None, res, pos), reference.sample(None, res, pos))
+    cuts = [0, 1000, 123_457, n]
+    parts = [(grad[a:e].numpy(), a) for a, e in zip(cuts, cuts[1:])]
+    if minus:
+        want = (res + (grad - anchor))[torch.from_numpy(pos)].numpy()
+    assert np.array_equal(cpu.sample_parts(parts, res, pos, anchor if minus else None), want)
+    # a gap no piece covers reads the residual alone there
+    got = cpu.sample_parts(parts[1:], res, pos, anchor if minus else None)
+    low = pos < 1000
+    assert np.array_equal(got[low], res.numpy()[pos[low]])
+    assert np.array_equal(got[~low], want[~low])
