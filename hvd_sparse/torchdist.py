@@ -149,8 +149,8 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
     """Horovod's ``allreduce``, with its signature: a new tensor on the input's device,
     reduced with ``op`` (``Average`` unless ``average=False``; ``Sum``, ``Min``, ``Max``,
     ``Product``), integers too (their average truncated as Horovod's), differentiable for
-    Average and Sum. ``compression`` is accepted and not applied (the sum is in full
-    precision)."""
+    Average and Sum. ``compression`` (``Compression.fp16``) is applied as Horovod applies it:
+    the tensor is compressed, reduced in the narrow type and decompressed."""
     _group()
     _global_only(process_set)
     if op is None:
@@ -158,9 +158,12 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
     if op not in (Average, Sum, Min, Max, Product):
         raise ValueError(f"op={op!r}: hvd_sparse.torchdist reduces with Average, Sum, Min, "
                          "Max or Product")
-    if tensor.requires_grad and op in (Average, Sum) and torch.is_grad_enabled():
-        return _Allreduce.apply(tensor, op, prescale_factor, postscale_factor)
-    return _reduce(tensor, op, prescale_factor, postscale_factor)
+    packed, ctx = (compression or Compression.none).compress(tensor)
+    if packed.requires_grad and op in (Average, Sum) and torch.is_grad_enabled():
+        out = _Allreduce.apply(packed, op, prescale_factor, postscale_factor)
+    else:
+        out = _reduce(packed, op, prescale_factor, postscale_factor)
+    return (compression or Compression.none).decompress(out, ctx)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,

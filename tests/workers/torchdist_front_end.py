@@ -51,6 +51,10 @@ def main(outdir):
         t = torch.full((3,), float(rank + 1))
         res["average"] = hvd.allreduce(t).tolist()
         res["sum"] = hvd.allreduce(t, op=hvd.Sum).tolist()
+        # fp16 compression as Horovod's: 1 + 2^-12 (rank 0) does not survive half precision
+        fine = torch.full((2,), 1.0 + 2.0 ** -12 if rank == 0 else 1.0, dtype=torch.float64)
+        half = hvd.allreduce(fine, op=hvd.Sum, compression=hvd.Compression.fp16)
+        res["fp16_sum"] = [str(half.dtype)] + half.tolist()
         res["object"] = hvd.broadcast_object({"from": rank}, root_rank=size - 1)
         ints = torch.tensor([rank + 1, -3 * rank - 1])
         res["int_average"] = hvd.allreduce(ints).tolist()  # truncated toward zero
