@@ -118,6 +118,8 @@ def encode(indices: torch.Tensor, values: torch.Tensor, *, index_dtype: torch.dt
     elif index_coding == "plain":
         head = HEADER.pack(MAGIC, VERSION, _INDEX_CODE[index_dtype], vcode, tag & 0xFFFFFFFF,
                            count)
+        if values.numel() == 0 or values.stride(-1) == 1:
+            return _plain_in_place(head, indices, values, index_dtype, device)
         index_section = _as_bytes(indices.to(index_dtype))
     else:
         raise ValueError(f"index_coding must be one of {INDEX_CODINGS}, got {index_coding!r}")
@@ -128,6 +130,25 @@ def encode(indices: torch.Tensor, values: torch.Tensor, *, index_dtype: torch.dt
         if pad:
             parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
     return torch.cat(parts)
+
+
+def _plain_in_place(head: bytes, indices, values, index_dtype, device) -> torch.Tensor:
+    """A plain-index payload written into its buffer section by section: the indices
+    narrowed as they are copied in (no narrowed copy, then a concatenation of copies)."""
+    ib = indices.numel() * _size(index_dtype)
+    vb = values.numel() * _size(values.dtype)
+    out = torch.empty(len(head) + ib + _pad8(ib) + vb + _pad8(vb), dtype=torch.uint8,
+                      device=device)
+    at = len(head)
+    out[:at].copy_(_bytes_tensor(head, device))
+    if ib:
+        out[at:at + ib].view(index_dtype).copy_(indices)
+    out[at + ib:at + ib + _pad8(ib)].zero_()
+    at += ib + _pad8(ib)
+    if vb:
+        out[at:at + vb].view(values.dtype).copy_(values)
+    out[at + vb:].zero_()
+    return out
 
 
 @dataclass
