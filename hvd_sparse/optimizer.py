@@ -322,10 +322,27 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     def _hs_step(self, closure):
         engine = self._hs_engine
         if engine.config.exchanges_updates and not self._hs_passthrough:
-            if self._should_synchronize and self._synchronized:
-                _warn_step_after_synchronize()
+            if self._should_synchronize:
+                if self._synchronized:
+                    _warn_step_after_synchronize()
+                if engine.exchange_due() and engine.agreed() \
+                        and self._hs_transport.included():
+                    # what synchronize() does here, as Horovod's step() synchronizes: every
+                    # rank learns whether any gradient is non-finite, so all skip alike (from
+                    # the second exchange on: the first one's agreement tells a rank whose
+                    # configuration differs, which this collective would meet instead)
+                    try:
+                        engine.agree_gradients_finite()
+                    finally:
+                        self._hs_reset_round()
             self._synchronized = False
-            return self._hs_local_step(closure)
+            skip = engine.skip_update  # agreed: a non-finite gradient on some rank
+            engine.skip_update = False
+            if skip and engine.config.local_steps == 1:
+                return None  # no update on any rank: no local step, no exchange
+            # communication delay: this local step is skipped on every rank, and the
+            # exchange of the earlier local steps' changes keeps its schedule
+            return self._hs_local_step(closure, skip_local=skip)
         if self._should_synchronize:
             if self._synchronized:
                 _warn_step_after_synchronize()
@@ -390,7 +407,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                     else:
                         _add_flat(p.grad, lo, hi, seg)
 
-    def _hs_local_step(self, closure):
+    def _hs_local_step(self, closure, skip_local=False):
         """Communication delay (SBC): local steps, then the engine exchanges the weight change."""
         engine = self._hs_engine
         engine.ensure_anchors()
@@ -402,7 +419,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             engine.clip_gradients()
         # a non-finite gradient is not applied locally (the weights would never recover)
         result, hooks = None, None
-        if engine.local_step_finite():
+        if not skip_local and engine.local_step_finite():
             hooks = _StepHooks(self, self._hs_base.step, closure)
             result = hooks.run()
         self._hs_reset_round()
@@ -787,6 +804,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     plan = bucketing.plan_buckets(trainable, scope=scope, bucket_cap_mb=bucket_cap_mb,
                                   groups=groups, min_sparse_numel=min_sparse_numel,
                                   max_bucket_numel=max_bucket_numel)
+    if exchange_auto and config.exchange == "update" and config.local_steps == 1 \
+            and not config.momentum_masking and not any(b.sparse for b in plan):
+        # nothing can ever go sparse (every tensor below min_sparse_numel): Horovod's own
+        # contract, the wrapped step on the averaged gradient, costs nothing here
+        config = dataclasses.replace(config, exchange="gradient", bidirectional=True
+                                     if bidirectional_auto else config.bidirectional)
     if _sends_everything(config):
         for b in plan:  # Horovod's allreduce from the first step: no allgather, no
             b.sparse = False  # calibration, and hvd.join() works as Horovod's

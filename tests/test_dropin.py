@@ -62,7 +62,7 @@ def test_broadcast_optimizer_state_mid_run_reunites_replicas(dropin):
         assert not r["midrun_broadcast_warned"]  # a broadcast is not a rank-0 checkpoint
 
 
-@pytest.mark.parametrize("prefix", ["amp", "amp_update"])
+@pytest.mark.parametrize("prefix", ["amp", "amp_update", "amp_update_fused"])
 def test_gradscaler_sees_overflow_on_every_rank(dropin, prefix):
     """The default policy hands an overflow on one rank to every rank's p.grad: each scaler
     skips the step and halves its scale; residuals are untouched; training goes on. Also with
@@ -77,6 +77,20 @@ def test_gradscaler_sees_overflow_on_every_rank(dropin, prefix):
         assert r[f"{prefix}_params_equal"]
         assert r[f"{prefix}_stats_nonfinite"] >= 1
     assert len({tuple(r[f"{prefix}_scales"]) for r in dropin}) == 1
+
+
+@pytest.mark.parametrize("policy", ["skip", "propagate"])
+@pytest.mark.parametrize("recipe", ["plain", "synchronize"])
+def test_exchanged_updates_skip_a_nonfinite_step_on_every_rank(dropin, policy, recipe):
+    """Adam's updates exchanged, an Inf on one rank: that step moves nothing on any rank
+    (no local step, no exchange of what the residuals hold), Adam's step count and the
+    exchange counter agree everywhere, and training goes on."""
+    key = f"upd_nf_{policy}_{recipe}"
+    for r in dropin:
+        assert r[f"{key}_moved"] == [True, True, False, True, True], r[f"{key}_moved"]
+        assert r[f"{key}_adam_steps"] == [1.0, 2.0, 2.0, 3.0, 4.0]
+        assert r[f"{key}_exchanges"] == 4
+        assert r[f"{key}_equal"] and r[f"{key}_finite"]
 
 
 @pytest.mark.parametrize("case", ["adaptive_skip", "sbc_skip", "sbc_raise",

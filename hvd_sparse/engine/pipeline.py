@@ -130,6 +130,8 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         self.agreement_root = 0
         self._agreed_size: Optional[int] = None
         self.skip_step = False
+        # exchanged updates: the agreement before the step found a non-finite gradient
+        self.skip_update = False
         # the last finish() kept unsent mass in residuals (a sparse exchange that was not
         # rolled back): what it wrote is owed a step (see the optimizer's zero_grad)
         self.kept_unsent = False
@@ -237,6 +239,12 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
                                  self.replicated_state(), root)
         if theirs is not None:
             self.load_replicated(theirs)
+
+    def agreed(self) -> bool:
+        """Has the cross-rank agreement run for this world (so that every rank is known to
+        run the same configuration, and a collective of the facade's own cannot meet
+        another rank's agreement)?"""
+        return not self.agreement_due and self._agreed_size == self.transport.size()
 
     def _warn_changed_dtypes(self) -> None:
         """A model cast after wrapping (``model.double()``, ``model.half()``): the buckets keep

@@ -78,6 +78,10 @@ class UpdateExchange:
             for g in pieces:
                 g.mul_(scale.to(g.dtype))
 
+    def exchange_due(self) -> bool:
+        """Will the next local step be followed by an exchange?"""
+        return (self.local_count + 1) % self.config.local_steps == 0
+
     def local_step_done(self) -> bool:
         """Count a local step; True when it is time to exchange the weight change."""
         self.local_count += 1
@@ -213,6 +217,7 @@ class UpdateExchange:
         NaN ("propagate", so each loss scaler skips the step and lowers its scale) or zero
         ("skip", the local step is then skipped everywhere), or every rank raises."""
         c = self.config
+        self.skip_update = False
         if c.nonfinite == "ignore" or self.transport.size() == 1 and c.nonfinite != "raise":
             return
         params = [p for b in self.buckets for p in b.params if p.grad is not None]
@@ -236,6 +241,10 @@ class UpdateExchange:
             else:
                 p.grad.fill_(fill)
         self.stats.nonfinite_steps += 1
+        # the step() that follows (if any: a loss scaler skips it, except with a fused
+        # optimizer, which steps with found_inf set) neither steps nor exchanges, on any rank
+        self.skip_update = True
+        self.stats.skipped += 1
 
     def local_step_finite(self) -> bool:
         """Before a local step (communication delay): are this rank's gradients finite? If

@@ -289,6 +289,36 @@ def scenario_dense_equivalence(res):
             (trajectories[0] - trajectories[1]).abs().max())
 
 
+def scenario_adam_nothing_sparse(res):
+    """Adam with the library's defaults on a model whose tensors are all below
+    min_sparse_numel: nothing can go sparse, so exchange="auto" keeps Horovod's contract
+    (gradients averaged, then the wrapped step) and the trajectory is Horovod's."""
+    if BACKEND == "mpi":
+        reference = DenseReference
+    else:
+        import horovod.torch as real_hvd
+        reference = real_hvd.DistributedOptimizer
+    trajectories = []
+    for which in ("horovod", "sparse"):
+        torch.manual_seed(5)
+        m = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 5))
+        base = torch.optim.Adam(m.parameters(), lr=1e-2)
+        make = reference if which == "horovod" else hvd.DistributedOptimizer
+        opt = make(base, named_parameters=m.named_parameters())
+        if which == "sparse":
+            res["adam_nothing_sparse_exchange"] = opt.communication_stats().get("exchange")
+        g = torch.Generator().manual_seed(100 + hvd.rank())
+        for _ in range(10):
+            opt.zero_grad()
+            x, y = torch.randn(8, 20, generator=g), torch.randint(0, 5, (8,), generator=g)
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+        trajectories.append(torch.cat([p.detach().reshape(-1) for p in m.parameters()]))
+    res["adam_nothing_sparse_max_abs_diff"] = float((trajectories[0] - trajectories[1])
+                                                    .abs().max())
+
+
 def scenario_bpps_guards(res):
     """backward_passes_per_step=2: zero_grad between passes and a third pass raise, as Horovod."""
     m = make_model(4)
@@ -484,6 +514,7 @@ def scenario_index_coding(res):
 
 
 SCENARIOS = [scenario_bad_input, scenario_reference, scenario_bitwise, scenario_dense_equivalence,
+             scenario_adam_nothing_sparse,
              scenario_bpps_guards, scenario_missing_grad, scenario_checkpoint,
              scenario_dense_fallback, scenario_time_cost_model, scenario_watch_mixed,
              scenario_watch_mixed_sbc,

@@ -165,6 +165,48 @@ def scenario_gradscaler(res):
     m = model()
     amp_run(res, "amp_update",
             make(m, torch.optim.AdamW(m.parameters(), lr=1e-2), exchange="update"), m)
+    # a fused optimizer: the scaler calls step() with found_inf set, so the step must be a
+    # no-op on every rank (no local step, no exchange of the residuals either)
+    m = model()
+    amp_run(res, "amp_update_fused",
+            make(m, torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
+                 exchange="update"), m)
+
+
+def scenario_update_nonfinite(res):
+    """Exchanged updates (Adam), an Inf on rank 1 at step 2, under "skip" and "propagate",
+    in a plain loop (backward, step) and with synchronize() first: no rank steps or
+    exchanges then (weights, Adam's step count and the exchange counter stand still on every
+    rank), and training goes on with identical replicas."""
+    for policy in ("skip", "propagate"):
+        for recipe in ("plain", "synchronize"):
+            m = model()
+            opt = make(m, torch.optim.Adam(m.parameters(), lr=1e-2), exchange="update",
+                       nonfinite=policy)
+            key = f"upd_nf_{policy}_{recipe}"
+            moved, counts = [], []
+            for i in range(5):
+                x, y = batch(i)
+                if i == 2 and hvd.rank() == 1:
+                    x[0, 0] = float("inf")
+                before = params(m).clone()
+                opt.zero_grad()
+                F.cross_entropy(m(x), y).backward()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    if recipe == "synchronize":
+                        opt.synchronize()
+                        with opt.skip_synchronize():
+                            opt.step()
+                    else:
+                        opt.step()
+                moved.append(not torch.equal(before, params(m)))
+                counts.append(max(float(s["step"]) for s in opt.state.values()))
+            res[f"{key}_moved"] = moved
+            res[f"{key}_adam_steps"] = counts
+            res[f"{key}_exchanges"] = opt.state_dict()["hvd_sparse"]["steps"]
+            res[f"{key}_equal"] = same_everywhere(params(m))
+            res[f"{key}_finite"] = bool(torch.isfinite(params(m)).all())
 
 
 def amp_run(res, prefix, opt, m):
@@ -786,7 +828,7 @@ def scenario_sync_batch_norm(res):
 
 SCENARIOS = [scenario_update_exchange, scenario_step_hooks, scenario_gradient_hooks_after_wrapping,
              scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
-             scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
+             scenario_update_nonfinite, scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
              scenario_sparse_embedding, scenario_memory_layouts, scenario_bfloat16_dense_tensor,
              scenario_step_with_closure, scenario_checkpoint_loads_weights_only,
              scenario_collective_helpers, scenario_more_collectives, scenario_sync_batch_norm]
