@@ -124,9 +124,18 @@ def shutdown():
     _layout.clear()
 
 
-def barrier():
+def barrier(process_set=None):
+    _global_only(process_set)
     agree(_c(), "barrier")
     _c().Barrier()
+
+
+def _check_root(root_rank) -> None:
+    """A root outside the job is an error on every rank (MPI would fail with MPI_ERR_ROOT)."""
+    n = _c().Get_size()
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) \
+            or not 0 <= root_rank < n:
+        raise ValueError(f"root_rank {root_rank!r} is not a rank of this job (size {n})")
 
 
 #: the most bytes one ``Bcast`` moves: MPI counts are C ints (2**31 - 1), and a 512M-entry
@@ -141,11 +150,13 @@ def _bcast_bytes(buf, root_rank) -> None:
         comm.Bcast(buf[lo:lo + step], root=root_rank)
 
 
-def broadcast_object(obj, root_rank=0, name=None):
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Rank ``root_rank``'s picklable object on every rank; pickled, then broadcast as bytes in
     chunks (one mpi4py ``bcast`` fails past 2 GiB)."""
     import numpy as np
 
+    _global_only(process_set)
+    _check_root(root_rank)
     comm = _c()
     agree(comm, "broadcast_object", root=root_rank)
     data = pickle.dumps(obj) \
@@ -291,6 +302,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 
 def _broadcast_into(tensor, root_rank, check=True):
+    _check_root(root_rank)
     if check:
         agree(_c(), "broadcast", **describe(tensor, root=root_rank))
     host = tensor.detach().cpu().contiguous().clone()
@@ -356,6 +368,7 @@ def broadcast_parameters(params, root_rank=0):
     """Copy rank ``root_rank``'s parameters to every rank, as Horovod's: a dict (a state_dict,
     taken in sorted key order) or a list of tensors or of (name, tensor) pairs, in its order
     (any other iterable, e.g. ``named_parameters()``, is taken as such a list)."""
+    _check_root(root_rank)
     if isinstance(params, dict):
         items = sorted(params.items())
     else:

@@ -88,9 +88,26 @@ def _device():
     return torch.device("cpu")
 
 
-def broadcast_object(obj, root_rank=0, name=None):
+def _check_root(root_rank) -> None:
+    """A root outside the job is an error on every rank, as under Horovod."""
+    n = size()
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) \
+            or not 0 <= root_rank < n:
+        raise ValueError(f"root_rank {root_rank!r} is not a rank of this job (size {n})")
+
+
+def barrier(process_set=None):
+    """Every rank waits for all the others (Horovod's ``barrier``)."""
+    _group()
+    _global_only(process_set)
+    dist.barrier()
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """``obj`` as rank ``root_rank`` has it, on every rank (pickled)."""
     _group()
+    _global_only(process_set)
+    _check_root(root_rank)
     box = [obj if rank() == root_rank else None]
     dist.broadcast_object_list(box, src=root_rank, device=_device())
     return box[0]
@@ -215,6 +232,7 @@ def broadcast_(tensor, root_rank=0, name=None, process_set=None):
     """In place: ``tensor`` takes rank ``root_rank``'s values."""
     _group()
     _global_only(process_set)
+    _check_root(root_rank)
     with torch.no_grad():
         work = tensor.detach().to(_device()).contiguous()  # the tensor itself where it can be
         dist.broadcast(work, src=root_rank)
@@ -238,6 +256,7 @@ def broadcast_parameters(params, root_rank=0):
     """Copy rank ``root_rank``'s tensors to every rank, in place: a dict (a state_dict, taken
     in sorted key order) or a list of tensors or of (name, tensor) pairs, in its order."""
     _group()
+    _check_root(root_rank)
     if isinstance(params, dict):
         items = sorted(params.items())
     else:

@@ -238,6 +238,10 @@ def test_collective_helpers_take_horovods_calls(dropin):
         assert r["helpers_broadcast_parameter_list"] == [[float(n - 1)] * 2,
                                                          [10.0 + n - 1] * 3]
         assert r["helpers_broadcast_lambda"] == 2 * (3 + n - 1)
+        # process_set= taken where Horovod takes it; a root outside the job: ValueError
+        assert r["helpers_object_process_set"] == n - 1
+        assert r["helpers_bad_root"] == {"broadcast": "ValueError",
+                                         "broadcast_object": "ValueError"}
         assert r["helpers_positional_options"] == 1
 
 

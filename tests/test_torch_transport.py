@@ -120,6 +120,7 @@ def test_torchdist_gives_horovods_helpers_under_torchrun(tmp_path):
         assert r["average"] == [1.5] * 3 and r["sum"] == [3.0] * 3
         # compressed to half, reduced, back to the input's dtype: the 2^-12 is gone
         assert r["fp16_sum"] == ["torch.float64", 2.0, 2.0]
+        assert r["bad_root"] == "ValueError"  # a root outside the job, on every rank
         assert r["object"] == {"from": 1}
         # ints [1, -1] and [2, -4]: Horovod's integer average truncates toward zero
         assert r["int_average"] == [1, -2] and r["int_sum"] == [3, -5]

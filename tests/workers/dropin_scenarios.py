@@ -638,6 +638,20 @@ def scenario_collective_helpers(res):
     scale = 3 + r
     res["helpers_broadcast_lambda"] = hvd.broadcast_object(lambda v: v * scale,
                                                            root_rank=n - 1)(2)
+    # Horovod's process_set keyword where it has one, and a root outside the job
+    hvd.barrier(process_set=hvd.global_process_set)
+    res["helpers_object_process_set"] = hvd.broadcast_object(
+        r, n - 1, process_set=hvd.global_process_set)
+    bad_root = {}
+    for what, call in (("broadcast", lambda: hvd.broadcast(torch.ones(2), root_rank=n + 3)),
+                       ("broadcast_object", lambda: hvd.broadcast_object(1, root_rank=n))):
+        try:
+            call()
+            bad_root[what] = None
+        except Exception as e:  # noqa: BLE001 - the type is the result
+            bad_root[what] = type(e).__name__
+    res["helpers_bad_root"] = bad_root
+    hvd.barrier()  # still in step after the refusals
     m = torch.nn.Linear(4, 2)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
                                    m.named_parameters(), hvd.Compression.none, 1)

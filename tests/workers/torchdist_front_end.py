@@ -69,6 +69,12 @@ def main(outdir):
         res["allgather"] = gathered.tolist()
         (gathered * (rank + 1)).sum().backward()
         res["allgather_grad"] = rows.grad.tolist()
+        hvd.barrier()
+        try:
+            hvd.broadcast_object(1, root_rank=size)
+            res["bad_root"] = None
+        except ValueError as e:
+            res["bad_root"] = type(e).__name__
         b = torch.full((3,), float(rank))
         hvd.broadcast_(b, root_rank=1)
         res["broadcast_"] = b.tolist()
