@@ -40,7 +40,8 @@ from .mpi_collectives import (  # noqa: F401 - Horovod's names
     mpi_enabled, mpi_threads_supported, nccl_built, poll, reducescatter, reducescatter_async,
     rocm_built, start_timeline, stop_timeline, synchronize)
 from . import mpi_collectives
-from .mpi_guard import HorovodInternalError, agree, describe  # noqa: F401 - Horovod's name
+from .mpi_guard import HorovodInternalError  # noqa: F401 - Horovod's name
+from .mpi_guard import agree, check_root, describe
 from . import mpi_guard
 from .sync_batch_norm import SyncBatchNorm  # noqa: F401 - Horovod's name
 
@@ -131,11 +132,7 @@ def barrier(process_set=None):
 
 
 def _check_root(root_rank) -> None:
-    """A root outside the job is an error on every rank (MPI would fail with MPI_ERR_ROOT)."""
-    n = _c().Get_size()
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) \
-            or not 0 <= root_rank < n:
-        raise ValueError(f"root_rank {root_rank!r} is not a rank of this job (size {n})")
+    check_root(root_rank, _c().Get_size())
 
 
 #: the most bytes one ``Bcast`` moves: MPI counts are C ints (2**31 - 1), and a 512M-entry

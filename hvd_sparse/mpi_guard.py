@@ -48,6 +48,14 @@ def abort_on_uncaught(comm) -> None:
     _installed.append(hook)
 
 
+def check_root(root_rank, size: int) -> None:
+    """A root outside the job is a ``ValueError``, on every rank alike (as under Horovod; MPI
+    would fail with ``MPI_ERR_ROOT``, torch.distributed in its own way)."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) \
+            or not 0 <= root_rank < size:
+        raise ValueError(f"root_rank {root_rank!r} is not a rank of this job (size {size})")
+
+
 def describe(tensor, **more) -> dict:
     """The fields of a tensor collective that every rank must agree on."""
     return {"dtype": str(tensor.dtype), "shape": tuple(tensor.shape), **more}

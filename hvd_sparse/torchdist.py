@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .compat import Average, Compression, Sum  # noqa: F401 - Horovod's names, Compression too
 from .mpi_collectives import Max, Min, Product  # noqa: F401 - Horovod's values
+from .mpi_guard import check_root
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
 from .state_broadcast import broadcast_state_as_object
 from .torch_transport import TorchDistributedTransport
@@ -89,11 +90,7 @@ def _device():
 
 
 def _check_root(root_rank) -> None:
-    """A root outside the job is an error on every rank, as under Horovod."""
-    n = size()
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) \
-            or not 0 <= root_rank < n:
-        raise ValueError(f"root_rank {root_rank!r} is not a rank of this job (size {n})")
+    check_root(root_rank, size())
 
 
 def barrier(process_set=None):
