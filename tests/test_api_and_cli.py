@@ -190,6 +190,26 @@ def test_training_cli_two_ranks_end_to_end(tmp_path, mpi_available):
     assert 0.009 < last["achieved_density"] < 0.02
 
 
+def test_training_cli_relaunches_under_mpirun_for_transport_mpi(tmp_path, mpi4py_available):
+    """``--ranks 2 --transport mpi`` starts mpirun (no horovodrun), the dense control runs
+    there (hvd_sparse at density 1: no Horovod initialised), and benchmark steps past one
+    epoch take the next epoch's batches (they were empty, their loss NaN)."""
+    import math
+    import subprocess
+    import sys
+
+    metrics = tmp_path / "bench.jsonl"
+    cmd = [sys.executable, "-m", "hvd_sparse.train", "--ranks", "2", "--transport", "mpi",
+           "--optimizer", "dense", "--train-limit", "512", "--test-limit", "200",
+           "--benchmark-steps", "8", "--metrics", str(metrics), "--no-progress"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (rec,) = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert rec["ranks"] == 2 and rec["steps"] == 8  # 4 steps per epoch: two epochs' worth
+    assert len(rec["loss_all"]) == 8 and all(math.isfinite(x) for x in rec["loss_all"])
+
+
 def test_single_process_training_with_local_transport():
     """One rank, no Horovod: the optimizer still sparsifies with error feedback and converges."""
     torch.manual_seed(0)

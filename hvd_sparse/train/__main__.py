@@ -167,8 +167,22 @@ def _relaunch(args, argv):
         if a.startswith("--ranks="):
             continue
         cleaned.append(a)
+    if args.transport == "mpi":  # no Horovod needed: Open MPI's own launcher
+        runner = shutil.which("mpirun")
+        if runner is None:
+            raise SystemExit("--ranks with --transport mpi runs mpirun, which is not on PATH "
+                             "(apt-get install openmpi-bin, or launch with your MPI's "
+                             "launcher and leave --ranks out)")
+        extra = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+        cmd = [runner, *extra, "--oversubscribe", "--bind-to", "none", "-np", str(args.ranks),
+               sys.executable, "-m", "hvd_sparse.train", *cleaned]
+        os.execv(cmd[0], cmd)
     runner = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable),
                                                          "horovodrun")
+    if args.transport != "torch" and not os.path.exists(runner):
+        raise SystemExit(f"--ranks runs horovodrun, which is not at {runner} nor on PATH "
+                         "(bash launch/setup.sh builds Horovod; or pass --transport mpi to "
+                         "use mpirun, --transport torch for torchrun)")
     cmd = [runner, "-np", str(args.ranks), sys.executable, "-m", "hvd_sparse.train", *cleaned]
     if args.transport == "torch":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
@@ -257,7 +271,8 @@ def exchange_defaults(args, base) -> None:
 
 
 def build_optimizer(args, model, base, hvd):
-    if args.optimizer == "dense" and args.transport == "torch":  # no Horovod under torchrun
+    if args.optimizer == "dense" and args.transport in ("torch", "mpi"):
+        # no Horovod initialised: hvd_sparse at density 1, Horovod's allreduce step
         return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                         density=1.0)
     if args.optimizer == "dense":
@@ -346,6 +361,10 @@ def main(argv=None):
               f"{size} ranks, optimizer={args.optimizer}"
               + (f", {args.sparsifier} density={args.density}, bidirectional={args.bidirectional}"
                  if args.optimizer == "sparse" else ""), flush=True)
+        if args.optimizer == "sparse" and getattr(opt, "_hs_passthrough", False):
+            print("hvd_sparse.train: one process under Horovod: the wrapped optimizer steps on "
+                  "its own gradient and nothing is exchanged or sparsified (as Horovod's "
+                  "optimizer does); run with --ranks N or a launcher to exchange", flush=True)
 
     def one_step(epoch, step):
         x, y = work.batch(epoch, step, rank, size)
@@ -358,7 +377,7 @@ def main(argv=None):
         return loss.item()
 
     if args.benchmark_steps:
-        return _benchmark(args, one_step, rank, size, n_params, opt)
+        return _benchmark(args, one_step, rank, size, n_params, opt, steps_per_epoch)
 
     writer = None
     if args.tensorboard and rank == 0:
@@ -415,10 +434,11 @@ def main(argv=None):
         if rank == 0:
             metric = {k: v for k, v in rec.items() if k.startswith(("test_", "valid_"))}
             saved = rec["dense_bytes"] / max(rec["bytes_sent"], 1)
+            sent = (f", sent {rec['bytes_sent'] / 2**20:.2f} MiB vs dense "
+                    f"{rec['dense_bytes'] / 2**20:.2f} MiB ({saved:.1f}x less)"
+                    if rec["dense_bytes"] else ", nothing exchanged")
             print(f"epoch {epoch + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metric.items())
-                  + f", sent {rec['bytes_sent'] / 2**20:.2f} MiB vs dense "
-                  f"{rec['dense_bytes'] / 2**20:.2f} MiB ({saved:.1f}x less), "
-                  f"{rec['wall_s']:.1f} s", flush=True)
+                  + f"{sent}, {rec['wall_s']:.1f} s", flush=True)
             if args.metrics:
                 with open(args.metrics, "a") as f:
                     f.write(json.dumps(rec) + "\n")
@@ -460,23 +480,24 @@ def _schedule(base, warmup: int, total: int):
     return torch.optim.lr_scheduler.LambdaLR(base, factor)
 
 
-def _benchmark(args, one_step, rank, size, n_params, opt):
+def _benchmark(args, one_step, rank, size, n_params, opt, steps_per_epoch):
     """Median wall time per step over ``--benchmark-steps`` steps, after two warm-up steps;
     for hvd_sparse also the mean seconds per pipeline stage over the timed steps."""
-    times = []
+    times, losses = [], []
     stages0 = None
     for step in range(args.benchmark_steps + 2):
         if step == 2 and args.optimizer == "sparse":
             stages0 = dict(opt.communication_stats()["totals"]["stage_seconds"])
         t = time.perf_counter()
-        one_step(0, step)
+        losses.append(  # the data set's batches in turn, into the next epoch: whole batches
+            one_step(step // max(1, steps_per_epoch), step % max(1, steps_per_epoch)))
         times.append(time.perf_counter() - t)
     times = times[2:]
     rec = {"benchmark": True, "ranks": size, "dataset": args.dataset, "model": args.model,
            "parameters": n_params, "optimizer": args.optimizer, "sparsifier": args.sparsifier,
            "density": args.density, "bidirectional": args.bidirectional,
            "steps": len(times), "step_s_median": statistics.median(times),
-           "step_s_all": times}
+           "step_s_all": times, "loss_all": losses[2:]}
     if args.optimizer == "sparse":
         s = opt.communication_stats()
         rec.update(bytes_sent_per_step=s["bytes_sent"], bytes_received_per_step=s["bytes_received"],
