@@ -10,6 +10,7 @@ and ``state_dict`` delegation. The exchange itself is :class:`hvd_sparse.engine.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 import weakref
@@ -757,7 +758,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             "density 0.001 diverged in its last steps); SGD's updates gained from it",
             UserWarning, stacklevel=2)
     if momentum_masking and not any(g.get("momentum", 0) for g in optimizer.param_groups):
-        raise ValueError("momentum_masking=True needs a wrapped optimizer with momentum (SGD's "
+        raise ValueError(f"momentum_masking={momentum_masking!r} needs a wrapped optimizer "
+                         "with momentum (SGD's "
                          "momentum_buffer); this one has no 'momentum' > 0 in its param groups")
     if num_groups:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed "
@@ -780,6 +782,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     if isinstance(min_sparse_numel, bool) or not isinstance(min_sparse_numel, int) \
             or min_sparse_numel < 0:
         raise ValueError(f"min_sparse_numel must be a non-negative int, got {min_sparse_numel!r}")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+            or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number (megabytes per bucket under "
+                         f"scope='bucket'), got {bucket_cap_mb!r}")
     if max_bucket_numel is not None and (isinstance(max_bucket_numel, bool) or
                                          not isinstance(max_bucket_numel, int) or
                                          max_bucket_numel <= 0):

@@ -1155,3 +1155,29 @@ def test_a_state_dict_taken_between_backward_and_step_resumes_exactly(method, sc
         opt2.step()
     for a, b in zip(m.parameters(), m2.parameters()):
         assert torch.equal(a, b)
+
+
+def test_numbers_from_numpy_and_torch_are_taken_and_wrong_types_named():
+    """Config files and schedules hand over NumPy scalars and 0-d tensors: taken as the
+    numbers they are. A string threshold, a missing bucket size or a bool density is refused
+    with the keyword named (not a raw TypeError deep inside)."""
+    m = _net()
+    assert _wrap(m, density=np.float64(0.05))._hs_engine.config.density == 0.05
+    assert _wrap(_net(), density=torch.tensor(0.25))._hs_engine.config.density == 0.25
+    c = _wrap(_net(), calibration_steps=np.int64(3), local_steps=np.int32(1))._hs_engine.config
+    assert type(c.calibration_steps) is int and c.calibration_steps == 3
+    for kw, name in ((dict(sparsifier="threshold", threshold="0.1"), "threshold"),
+                     (dict(bucket_cap_mb=None), "bucket_cap_mb"),
+                     (dict(bucket_cap_mb=0), "bucket_cap_mb"),
+                     (dict(density=True), "density"),
+                     (dict(verify_every=2.5), "verify_every")):
+        with pytest.raises(ValueError, match=name):
+            _wrap(_net(), **kw)
+
+
+def test_downlink_density_without_a_downlink_selection_warns():
+    with pytest.warns(UserWarning, match="downlink_density=0.001 has no effect"):
+        _wrap(_net(), downlink_density=0.001, bidirectional=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _wrap(_net(), downlink_density=0.001, bidirectional=True)

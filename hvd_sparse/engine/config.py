@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import numbers
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -125,13 +127,30 @@ def passes_per_step(value) -> int:
     return int(value)
 
 
+def _plain_number(value):
+    """A Python number from a NumPy scalar or a one-element torch tensor (what config files
+    and schedules often hand over), else ``value`` itself; booleans stay booleans."""
+    if type(value) in (bool, int, float):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad \
+            and value.dtype != torch.bool:
+        value = value.item()
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
 def _density(name, value):
+    value = _plain_number(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value <= 1.0):
         raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
     return float(value)
 
 
 def _nonneg_int(name, value, minimum=0):
+    value = _plain_number(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
@@ -186,6 +205,11 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         "downlink_density", downlink_density)
     if not isinstance(bidirectional, bool):
         raise TypeError(f"bidirectional must be True or False, got {bidirectional!r}")
+    if not bidirectional and downlink_density != density:
+        warnings.warn(f"downlink_density={downlink_density!r} has no effect: there is no "
+                      "downlink selection (bidirectional=False, the default where weight "
+                      "updates are exchanged); pass bidirectional=True for one", UserWarning,
+                      stacklevel=3)
     op = compat.Average if op is None else op
     if op == compat.Adasum:
         raise ValueError("op=Adasum is not supported by hvd_sparse.DistributedOptimizer: Adasum "
@@ -205,8 +229,8 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         raise TypeError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
     sparse_as_dense = bool(sparse_as_dense)
     if total_steps is not None:
-        _nonneg_int("total_steps", total_steps, 1)
-    _nonneg_int("density_cooldown_steps", density_cooldown_steps)
+        total_steps = _nonneg_int("total_steps", total_steps, 1)
+    density_cooldown_steps = _nonneg_int("density_cooldown_steps", density_cooldown_steps)
     cooldown_density = _density("cooldown_density", cooldown_density)
     if density_cooldown_steps and total_steps is None:
         raise ValueError("density_cooldown_steps needs total_steps, the run's length in "
@@ -240,16 +264,16 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
     if local_clip_norm is not None and not (isinstance(local_clip_norm, (int, float))
                                             and local_clip_norm > 0):
         raise ValueError(f"local_clip_norm must be a positive number, got {local_clip_norm!r}")
-    _nonneg_int("density_warmup_steps", density_warmup_steps)
-    _nonneg_int("dense_warmup_steps", dense_warmup_steps)
-    _nonneg_int("local_steps", local_steps, 1)
+    density_warmup_steps = _nonneg_int("density_warmup_steps", density_warmup_steps)
+    dense_warmup_steps = _nonneg_int("dense_warmup_steps", dense_warmup_steps)
+    local_steps = _nonneg_int("local_steps", local_steps, 1)
     if value_dtype is not None and value_dtype not in (torch.float16, torch.bfloat16,
                                                        torch.float32, torch.float64):
         raise ValueError(f"value_dtype must be a floating torch dtype, got {value_dtype!r}")
     if nonfinite not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, "
                          f"got {nonfinite!r}")
-    _nonneg_int("verify_every", verify_every)
+    verify_every = _nonneg_int("verify_every", verify_every)
     if exchange not in EXCHANGES or exchange == "auto":
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     momentum_masking = masking_strength(momentum_masking)
@@ -261,14 +285,14 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
     if not dense_fallback:
         cost_model = "off"
-    _nonneg_int("calibration_steps", calibration_steps, 1)
-    _nonneg_int("recalibrate_every", recalibrate_every)
+    calibration_steps = _nonneg_int("calibration_steps", calibration_steps, 1)
+    recalibrate_every = _nonneg_int("recalibrate_every", recalibrate_every)
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
     if sharded_selection not in SHARDED_SELECTIONS:
         raise ValueError(f"sharded_selection must be one of {SHARDED_SELECTIONS}, "
                          f"got {sharded_selection!r}")
-    _nonneg_int("rebalance_every", rebalance_every)
+    rebalance_every = _nonneg_int("rebalance_every", rebalance_every)
     if isinstance(layer_floor, bool) or not isinstance(layer_floor, (int, float)) \
             or not 0.0 <= layer_floor <= 1.0:
         raise ValueError(f"layer_floor must be a number in [0, 1], got {layer_floor!r}")

@@ -14,6 +14,8 @@ early error-compensated gradient, then held constant as the method requires.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..kernels import select as fused_select
@@ -37,7 +39,10 @@ class HardThreshold(Sparsifier):
     name = "threshold"
 
     def __init__(self, threshold: float):
-        if not (threshold >= 0.0):
+        if isinstance(threshold, torch.Tensor) and threshold.numel() == 1:
+            threshold = threshold.item()
+        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) \
+                or not (threshold >= 0.0):
             raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
         self.threshold = float(threshold)
         # last step's count per (bucket, direction): room for the scan to collect candidates in

@@ -40,7 +40,9 @@ def parse_args(argv=None):
                    choices=["topk", "gaussiank", "threshold", "adaptive", "sbc", "randomk"])
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--downlink-density", type=float, default=None)
-    p.add_argument("--threshold", type=float, default=None, help="lambda for --sparsifier threshold")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="lambda for --sparsifier threshold (default 1e-3; --density is then "
+                        "not used)")
     p.add_argument("--bidirectional", action=argparse.BooleanOptionalAction, default=None,
                    help="re-sparsify the aggregate (default: yes, except where each rank's "
                         "update is exchanged; see exchange_defaults)")
@@ -316,6 +318,13 @@ def main(argv=None):
         print(f"hvd_sparse.train: --optimizer local runs one process; --ranks {args.ranks} is "
               "not used (for the floor at a rank count, start that many under a launcher)",
               file=sys.stderr, flush=True)
+    if args.threshold is not None and args.sparsifier != "threshold":
+        print(f"hvd_sparse.train: --threshold applies to --sparsifier threshold; with "
+              f"--sparsifier {args.sparsifier} it is not used", file=sys.stderr, flush=True)
+    if args.transport == "torch" and not args.ranks and "RANK" not in os.environ \
+            and args.optimizer != "local":
+        raise SystemExit("hvd_sparse.train: --transport torch needs --ranks N (relaunched "
+                         "under torchrun --standalone) or a torchrun launch")
     workload_defaults(args)
     torch.set_num_threads(args.threads)
     from .workloads import WORKLOADS
