@@ -810,6 +810,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     plan = bucketing.plan_buckets(trainable, scope=scope, bucket_cap_mb=bucket_cap_mb,
                                   groups=groups, min_sparse_numel=min_sparse_numel,
                                   max_bucket_numel=max_bucket_numel)
+    if config.layer_floor > 0 and all(len(b.params) == 1 for b in plan if b.sparse):
+        warnings.warn(f"layer_floor={config.layer_floor!r} has no effect: every sparse bucket "
+                      f"holds one tensor (scope={scope!r}); it shares a bucket's budget among "
+                      "its tensors under scope='model' or 'bucket'", UserWarning, stacklevel=2)
     if exchange_auto and config.exchange == "update" and config.local_steps == 1 \
             and not config.momentum_masking and not any(b.sparse for b in plan):
         # nothing can ever go sparse (every tensor below min_sparse_numel): Horovod's own

@@ -1181,3 +1181,13 @@ def test_downlink_density_without_a_downlink_selection_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _wrap(_net(), downlink_density=0.001, bidirectional=True)
+
+
+def test_layer_floor_with_one_tensor_per_bucket_warns():
+    """The floor shares a bucket's budget among its tensors: per-tensor buckets have none to
+    share, so the option would silently do nothing."""
+    with pytest.warns(UserWarning, match="layer_floor=0.5 has no effect"):
+        _wrap(_net(), layer_floor=0.5, scope="tensor")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _wrap(_net(), layer_floor=0.5, scope="model")
