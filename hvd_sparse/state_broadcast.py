@@ -1,9 +1,11 @@
 """Horovod's two start-of-training broadcasts, for hvd_sparse jobs.
 
 ``broadcast_parameters`` is Horovod's, except that tensors Horovod's in-place broadcast refuses
-(non-contiguous ones: a ``channels_last`` model's convolution weights, a transposed view) go
-through a contiguous copy and come back in their own layout, and any iterable of tensors or
-(name, tensor) pairs is taken (Horovod's takes a dict or a list).
+(non-contiguous ones: a ``channels_last`` model's convolution weights, a transposed view; and
+bfloat16 ones, sent as their int16 bits) go through a contiguous copy and come back in their own
+layout, and any iterable of tensors or (name, tensor) pairs is taken (Horovod's takes a dict or
+a list). ``broadcast_optimizer_state`` of bfloat16 parameters or state sends the root's state
+dict as one object instead, as the Horovod-free front ends do.
 
 ``broadcast_optimizer_state`` also carries hvd_sparse's replicated state.
 
@@ -22,28 +24,38 @@ import torch
 from .checkpoint import ShardedStateWarning
 
 
+#: dtypes Horovod's broadcast refuses, sent as integers of the same width (their bits)
+_AS_BITS = {torch.bfloat16: torch.int16}
+
+
+def _refused(p) -> bool:
+    return isinstance(p, torch.Tensor) and (not p.is_contiguous() or p.dtype in _AS_BITS)
+
+
 def broadcast_parameters(params, root_rank, **kwargs):
     """Horovod's ``broadcast_parameters`` (same order, names and process set), for tensors of
-    any memory layout."""
+    any memory layout, and bfloat16 ones (their bits go as int16)."""
     import horovod.torch as hvd
 
     if not isinstance(params, (dict, list)):
         params = list(params)  # e.g. named_parameters(), a generator
     items = params.items() if isinstance(params, dict) else \
         [p if isinstance(p, tuple) else (None, p) for p in params]
-    strided = [(n, p) for n, p in items
-               if isinstance(p, torch.Tensor) and not p.is_contiguous()]
-    if not strided:
+    refused = [(n, p) for n, p in items if _refused(p)]
+    if not refused:
         return hvd.broadcast_parameters(params, root_rank, **kwargs)
-    copies = {id(p): p.detach().contiguous() for _, p in strided}
+    copies = {}
+    for _, p in refused:
+        c = p.detach().contiguous()
+        copies[id(p)] = c.view(_AS_BITS[c.dtype]) if c.dtype in _AS_BITS else c
     if isinstance(params, dict):
         stand_in = {k: copies.get(id(v), v) for k, v in params.items()}
     else:  # (None, tensor) is how Horovod takes a bare tensor itself
         stand_in = [(n, copies.get(id(p), p)) for n, p in items]
     hvd.broadcast_parameters(stand_in, root_rank, **kwargs)
     with torch.no_grad():
-        for _, p in strided:
-            p.copy_(copies[id(p)])
+        for _, p in refused:
+            p.copy_(copies[id(p)].view(p.dtype))
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0, model=None, **kwargs):
@@ -51,12 +63,22 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, **kwargs):
     root's replicated state before the next exchange. Call it on every rank."""
     import horovod.torch as hvd
 
+    if _holds_refused_dtypes(optimizer):  # Horovod's would fail on them, tensor by tensor
+        return broadcast_state_as_object(optimizer, root_rank, hvd.broadcast_object)
     with warnings.catch_warnings():  # the state dict it reads is not a checkpoint
         warnings.simplefilter("ignore", ShardedStateWarning)
         hvd.broadcast_optimizer_state(optimizer, root_rank, model=model, **kwargs)
     engine = getattr(optimizer, "_hs_engine", None)
     if engine is not None:
         engine.request_agreement(root_rank)
+
+
+def _holds_refused_dtypes(optimizer) -> bool:
+    """Parameters or state of a dtype Horovod's broadcast refuses (bfloat16)? The same answer
+    on every rank: parameters' dtypes match across replicas."""
+    return any(p.dtype in _AS_BITS for g in optimizer.param_groups for p in g["params"]) \
+        or any(isinstance(v, torch.Tensor) and v.dtype in _AS_BITS
+               for st in optimizer.state.values() for v in st.values())
 
 
 def broadcast_state_as_object(optimizer, root_rank, broadcast_object):

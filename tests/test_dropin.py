@@ -79,6 +79,12 @@ def test_gradscaler_sees_overflow_on_every_rank(dropin, prefix):
     assert len({tuple(r[f"{prefix}_scales"]) for r in dropin}) == 1
 
 
+def test_bfloat16_model_through_the_start_of_training_broadcasts(dropin):
+    for r in dropin:
+        assert r["bf16_params_equal"] and r["bf16_momentum_equal"] and r["bf16_then_equal"]
+        assert r["bf16_momentum_dtype"] == ["torch.bfloat16"]
+
+
 @pytest.mark.parametrize("policy", ["skip", "propagate"])
 @pytest.mark.parametrize("recipe", ["plain", "synchronize"])
 def test_exchanged_updates_skip_a_nonfinite_step_on_every_rank(dropin, policy, recipe):

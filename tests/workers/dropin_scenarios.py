@@ -173,6 +173,37 @@ def scenario_gradscaler(res):
                  exchange="update"), m)
 
 
+def scenario_bfloat16_broadcasts(res):
+    """A bfloat16 model through the start-of-training broadcasts (Horovod's own refuses
+    bfloat16 tensors): parameters and momentum buffers become rank 0's on every rank."""
+    m = model().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(hvd.rank())  # each rank starts elsewhere
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    res["bf16_params_equal"] = same_everywhere(params(m).float())
+    opt = make(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+
+    def bf16_step(i):
+        x, y = batch(i)
+        opt.zero_grad()
+        F.cross_entropy(m(x.to(torch.bfloat16)).float(), y).backward()
+        opt.step()
+
+    for i in range(2):
+        bf16_step(i)
+    with torch.no_grad():
+        for st in opt.state.values():
+            st["momentum_buffer"].mul_(1 + hvd.rank())  # the ranks' momenta differ
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    res["bf16_momentum_equal"] = same_everywhere(torch.cat(
+        [st["momentum_buffer"].float().reshape(-1) for st in opt.state.values()]))
+    res["bf16_momentum_dtype"] = sorted({str(st["momentum_buffer"].dtype)
+                                         for st in opt.state.values()})
+    bf16_step(2)
+    res["bf16_then_equal"] = same_everywhere(params(m).float())
+
+
 def scenario_update_nonfinite(res):
     """Exchanged updates (Adam), an Inf on rank 1 at step 2, under "skip" and "propagate",
     in a plain loop (backward, step) and with synchronize() first: no rank steps or
@@ -842,7 +873,8 @@ def scenario_sync_batch_norm(res):
 
 SCENARIOS = [scenario_update_exchange, scenario_step_hooks, scenario_gradient_hooks_after_wrapping,
              scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
-             scenario_update_nonfinite, scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
+             scenario_update_nonfinite, scenario_bfloat16_broadcasts,
+             scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
              scenario_sparse_embedding, scenario_memory_layouts, scenario_bfloat16_dense_tensor,
              scenario_step_with_closure, scenario_checkpoint_loads_weights_only,
              scenario_collective_helpers, scenario_more_collectives, scenario_sync_batch_norm]
