@@ -52,6 +52,8 @@ def _group():
 
 
 def shutdown():
+    """Destroy the process group. Call :func:`barrier` first when the ranks end together: gloo
+    torn down on one rank while another's last collective drains can abort that process."""
     if is_initialized():
         dist.destroy_process_group()
 

@@ -83,6 +83,7 @@ def main(outdir):
         res["error"] = traceback.format_exc()
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
+    hvd.barrier()  # every rank done before gloo is torn down (see torch_transport_scenarios)
     hvd.shutdown()
 
 
