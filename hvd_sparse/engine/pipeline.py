@@ -132,6 +132,7 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         self.skip_step = False
         # exchanged updates: the agreement before the step found a non-finite gradient
         self.skip_update = False
+        self.finite_agreed = False  # ... or found every gradient finite (no second read)
         # the last finish() kept unsent mass in residuals (a sparse exchange that was not
         # rolled back): what it wrote is owed a step (see the optimizer's zero_grad)
         self.kept_unsent = False

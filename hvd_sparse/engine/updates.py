@@ -217,7 +217,7 @@ class UpdateExchange:
         NaN ("propagate", so each loss scaler skips the step and lowers its scale) or zero
         ("skip", the local step is then skipped everywhere), or every rank raises."""
         c = self.config
-        self.skip_update = False
+        self.skip_update = self.finite_agreed = False
         if c.nonfinite == "ignore" or self.transport.size() == 1 and c.nonfinite != "raise":
             return
         params = [p for b in self.buckets for p in b.params if p.grad is not None]
@@ -229,6 +229,7 @@ class UpdateExchange:
             flag = self.transport.wait(self.transport.allreduce_async(
                 flag, "hvd_sparse.finite", average=False))
         if float(flag.sum()) == 0:
+            self.finite_agreed = True  # the local step need not read the gradients again
             return
         mine = f" (this rank: {', '.join(bad)})" if bad else ""
         if c.nonfinite == "raise":
@@ -251,6 +252,9 @@ class UpdateExchange:
         not, the caller skips the step on this rank only, so no NaN/Inf reaches the weights;
         under "raise" every rank raises at the next exchange. Always True for "ignore"."""
         if self.config.nonfinite == "ignore":
+            return True
+        if self.finite_agreed:  # every rank's gradient was found finite this round
+            self.finite_agreed = False
             return True
         bad = [n for b in self.buckets for n, p in zip(b.names, b.params)
                if p.grad is not None and not all_finite(

@@ -85,6 +85,8 @@ def main(outdir):
         json.dump(res, f)
     hvd.barrier()  # every rank done before gloo is torn down (see torch_transport_scenarios)
     hvd.shutdown()
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter finalization: see torch_transport_scenarios
 
 
 if __name__ == "__main__":
