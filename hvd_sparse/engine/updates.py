@@ -211,6 +211,12 @@ class UpdateExchange:
         flat = st.flat_buffer(b.numel, torch.float32, st.anchor.device)
         return flat, parts, st.anchor
 
+    def _nonfinite_gradients(self) -> list:
+        """Names of this rank's parameters whose gradient holds NaN/Inf (one read of each)."""
+        return [n for b in self.buckets for n, p in zip(b.names, b.params)
+                if p.grad is not None and not all_finite(
+                    p.grad.coalesce().values() if p.grad.is_sparse else p.grad)]
+
     def agree_gradients_finite(self) -> None:
         """``synchronize()`` when updates are exchanged: one tiny allreduce says whether any
         rank's gradient holds NaN/Inf; if so, by ``nonfinite``: every rank's gradients become
@@ -221,9 +227,7 @@ class UpdateExchange:
         if c.nonfinite == "ignore" or self.transport.size() == 1 and c.nonfinite != "raise":
             return
         params = [p for b in self.buckets for p in b.params if p.grad is not None]
-        bad = [n for b in self.buckets for n, p in zip(b.names, b.params)
-               if p.grad is not None and not all_finite(
-                   p.grad.coalesce().values() if p.grad.is_sparse else p.grad)]
+        bad = self._nonfinite_gradients()
         flag = torch.tensor([float(len(bad) > 0)], dtype=torch.float32)
         if self.transport.size() > 1:
             flag = self.transport.wait(self.transport.allreduce_async(
@@ -256,9 +260,7 @@ class UpdateExchange:
         if self.finite_agreed:  # every rank's gradient was found finite this round
             self.finite_agreed = False
             return True
-        bad = [n for b in self.buckets for n, p in zip(b.names, b.params)
-               if p.grad is not None and not all_finite(
-                   p.grad.coalesce().values() if p.grad.is_sparse else p.grad)]
+        bad = self._nonfinite_gradients()
         if not bad:
             return True
         self._local_nonfinite += bad
