@@ -178,7 +178,9 @@ def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str
     Tensors below ``min_sparse_numel`` entries are packed into one dense bucket per dtype and
     device (Horovod's ``groups`` excepted: there a group below it goes dense as a whole);
     buckets above ``max_bucket_numel`` entries are split (a large parameter across several
-    buckets).
+    buckets). The size rule is the whole chunk's, not a piece's: pieces cut from a large
+    tensor stay sparse however short ``max_bucket_numel`` makes them (a cap below
+    ``min_sparse_numel`` sent every piece dense, compression silently off).
     """
     if scope not in SCOPES:
         raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
@@ -220,11 +222,10 @@ def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str
             names = [n for n, *_ in piece]
             label = [n if (lo, hi) == (0, p.numel()) else f"{n}[{lo}:{hi}]"
                      for n, p, lo, hi in piece]
-            size = sum(hi - lo for *_, lo, hi in piece)
             buckets.append(Bucket(index=len(buckets), name=_bucket_name(label),
                                   params=[p for _, p, *_ in piece], names=names,
                                   dtype=piece[0][1].dtype,
-                                  sparse=not dense and size >= min_sparse_numel,
+                                  sparse=not dense and numel >= min_sparse_numel,
                                   slices=[(lo, hi) for *_, lo, hi in piece]))
     seen = {}
     for b in buckets:

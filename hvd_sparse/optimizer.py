@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -25,6 +26,11 @@ from .engine.config import EXCHANGES, adaptive_optimizer_classes, passes_per_ste
 from .transport import HorovodTransport, make_transport
 
 STATE_KEY = "hvd_sparse"
+try:  # the loop of torch.amp.GradScaler's unscale_ (and of its inf check for fused steps)
+    from torch.amp.grad_scaler import GradScaler as _GradScaler
+    _UNSCALE_CODE = _GradScaler._unscale_grads_.__code__
+except (ImportError, AttributeError):  # pragma: no cover - torch without it
+    _UNSCALE_CODE = None
 _LIVE = weakref.WeakSet()  # every optimizer made here, while it lives (for hvd_sparse.join)
 
 
@@ -78,6 +84,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_touched = False
         self._synchronized = False
         self._should_synchronize = True
+        self._hs_synced_for_scaler = False  # (see param_groups)
         self._hs_warned_discard = False  # zero_grad's warning about a discarded exchange
         self._hs_hook_handles = []
         # one process under Horovod (not elastic, where workers may join): Horovod's optimizer
@@ -250,6 +257,35 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             and not self._hs_engine.inflight and written is not None \
             and all(p.grad is not None and p.grad is ref() for p, ref in written)
 
+    # ----------------------------------------------------------------- loss scalers
+    @property
+    def param_groups(self):
+        """The wrapped optimizer's groups (kept in the instance dict, where torch's
+        ``__setstate__`` puts them). Read by ``torch.amp.GradScaler``'s unscale while this
+        step's exchange is still open (torch's own recipe: ``scaler.step(optimizer)``, or
+        ``scaler.unscale_(optimizer)`` and clipping, with no ``synchronize()`` first), the
+        exchange is finished first. The scaler then unscales, and checks for Inf/NaN, the
+        exchanged gradient, as in Horovod's AMP pattern, and every rank's scaler decides
+        alike; else it unscaled a local gradient that the exchange then overwrote, and the step
+        was taken with the loss scale still in it (Horovod races its in-place allreduce)."""
+        if _UNSCALE_CODE is not None and sys._getframe(1).f_code is _UNSCALE_CODE:
+            self._hs_synchronize_for_scaler()
+        return self.__dict__["param_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups):
+        self.__dict__["param_groups"] = groups
+
+    def _hs_synchronize_for_scaler(self):
+        """Finish the open exchange (a backward since the last one), unless ``step()`` is
+        told not to synchronize (``skip_synchronize()``) or nothing is exchanged."""
+        if "_hs_engine" not in self.__dict__ or not self._should_synchronize \
+                or self._hs_passthrough or not self._hs_transport.included() \
+                or not (self._hs_touched or self._hs_engine.inflight):
+            return
+        self.synchronize()
+        self._hs_synced_for_scaler = True
+
     # ----------------------------------------------------------------- Horovod's API
     @property
     def op(self):
@@ -322,8 +358,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     def _hs_step(self, closure):
         engine = self._hs_engine
+        # finished already, inside the loss scaler's unscale (see param_groups)
+        scaler_synced, self._hs_synced_for_scaler = self._hs_synced_for_scaler, False
         if engine.config.exchanges_updates and not self._hs_passthrough:
-            if self._should_synchronize:
+            if self._should_synchronize and not scaler_synced:
                 if self._synchronized:
                     _warn_step_after_synchronize()
                 if engine.exchange_due() and engine.agreed() \
@@ -344,7 +382,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             # communication delay: this local step is skipped on every rank, and the
             # exchange of the earlier local steps' changes keeps its schedule
             return self._hs_local_step(closure, skip_local=skip)
-        if self._should_synchronize:
+        if self._should_synchronize and not scaler_synced:
             if self._synchronized:
                 _warn_step_after_synchronize()
             self.synchronize()
@@ -426,7 +464,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_reset_round()
         if engine.local_step_done() and self._hs_transport.included():
             try:
-                engine.exchange_deltas()
+                engine.exchange_deltas(hold=[p for p in self._hs_buckets_of
+                                             if not p.requires_grad])
                 if engine.config.momentum_masking:
                     self._hs_mask_momentum(engine.take_sent())
             finally:
@@ -482,6 +521,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 "such a backward away from these parameters instead (requires_grad_(False) "
                 "on the module, or detach()), so that nothing is exchanged for it.",
                 stacklevel=2)
+        self._hs_synced_for_scaler = False  # (a scaler that found Inf skipped the step)
         return self._hs_base.zero_grad(self, *args, **kwargs)
 
     def set_backward_passes_per_step(self, passes):
@@ -545,6 +585,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_reset_round()
         self._synchronized = False
         self._should_synchronize = True
+        self._hs_synced_for_scaler = False
         self._hs_written = None
         groups = list(self.param_groups)
         self._hs_base.load_state_dict(self, state_dict)
@@ -637,7 +678,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     bucket), ``min_sparse_numel``
     (smaller tensors go dense, together, under every scope; with ``groups``, smaller groups:
     see ``deterministic_dense``), ``max_bucket_numel`` (larger buckets, and
-    parameters, are split into several), ``transport`` (a :class:`hvd_sparse.transport.Transport`;
+    parameters, are split into several; ``min_sparse_numel`` weighs the whole tensor, not
+    its pieces), ``transport`` (a :class:`hvd_sparse.transport.Transport`;
     default Horovod's collectives).
 
     Method keywords: ``threshold`` (for ``"threshold"``), ``min_density``, ``max_density``

@@ -62,7 +62,8 @@ def test_broadcast_optimizer_state_mid_run_reunites_replicas(dropin):
         assert not r["midrun_broadcast_warned"]  # a broadcast is not a rank-0 checkpoint
 
 
-@pytest.mark.parametrize("prefix", ["amp", "amp_update", "amp_update_fused"])
+@pytest.mark.parametrize("prefix", ["amp", "amp_update", "amp_update_fused", "amp_torch",
+                                    "amp_torch_clip", "amp_horovod_clip", "amp_torch_fused"])
 def test_gradscaler_sees_overflow_on_every_rank(dropin, prefix):
     """The default policy hands an overflow on one rank to every rank's p.grad: each scaler
     skips the step and halves its scale; residuals are untouched; training goes on. Also with
@@ -77,6 +78,20 @@ def test_gradscaler_sees_overflow_on_every_rank(dropin, prefix):
         assert r[f"{prefix}_params_equal"]
         assert r[f"{prefix}_stats_nonfinite"] >= 1
     assert len({tuple(r[f"{prefix}_scales"]) for r in dropin}) == 1
+
+
+@pytest.mark.parametrize("torch_recipe, horovod_recipe", [("amp_torch", "amp"),
+                                                          ("amp_torch_clip", "amp_horovod_clip")])
+def test_torchs_gradscaler_recipe_trains_as_horovods_amp_pattern(dropin, torch_recipe,
+                                                                 horovod_recipe):
+    """``scaler.step(optimizer)`` with no ``synchronize()`` first (torch's recipe; with
+    ``scaler.unscale_`` and clipping too): the scaler unscales the exchanged gradient, so the
+    run is bit for bit the one of Horovod's AMP pattern, with no warning (the step was taken
+    with the loss scale still in the gradient, 785 times too large, and under Horovod the
+    unscale races the in-place allreduce)."""
+    for r in dropin:
+        assert r[f"{torch_recipe}_params"] == r[f"{horovod_recipe}_params"]
+        assert not r[f"{torch_recipe}_warnings"], r[f"{torch_recipe}_warnings"]
 
 
 def test_bfloat16_model_through_the_start_of_training_broadcasts(dropin):

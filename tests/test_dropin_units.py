@@ -1191,3 +1191,36 @@ def test_layer_floor_with_one_tensor_per_bucket_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _wrap(_net(), layer_floor=0.5, scope="model")
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "sgd_momentum"])
+def test_a_layer_frozen_under_exchanged_updates_stays_where_it_was(optimizer):
+    """``requires_grad_(False)`` after wrapping, weight updates exchanged: error feedback holds
+    the layer's unsent change from before, and releasing it would move a layer the user
+    stopped training (Adagrad moved it by the size of its weights). It stays at the value of
+    the last exchange, as Horovod leaves it with Adagrad's zero-gradient step."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.Tanh(), torch.nn.Linear(60, 60),
+                            torch.nn.Tanh(), torch.nn.Linear(60, 3))
+    base = torch.optim.Adagrad(m.parameters(), lr=0.05) if optimizer == "adagrad" \
+        else torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    opt = hvd_sparse.DistributedOptimizer(base, named_parameters=m.named_parameters(),
+                                          density=0.01, cost_model="off", exchange="update",
+                                          transport=LocalTransport())
+    g = torch.Generator().manual_seed(1)
+    for i in range(8):
+        if i == 4:
+            m[2].requires_grad_(False)
+            frozen = [p.detach().clone() for p in m[2].parameters()]
+            others = [p.detach().clone() for p in m[4].parameters()]
+        opt.zero_grad()
+        m(torch.randn(8, 40, generator=g)).pow(2).mean().backward()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(m[2].parameters(), frozen))
+    assert not all(torch.equal(p, q) for p, q in zip(m[4].parameters(), others))
+    # the layer trains again once unfrozen
+    m[2].requires_grad_(True)
+    opt.zero_grad()
+    m(torch.randn(8, 40, generator=g)).pow(2).mean().backward()
+    opt.step()
+    assert not all(torch.equal(p, q) for p, q in zip(m[2].parameters(), frozen))

@@ -147,3 +147,21 @@ def test_large_buckets_are_split_and_behave_like_one():
         hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0),
                                         named_parameters=m.named_parameters(),
                                         max_bucket_numel=0, transport=LocalTransport())
+
+
+def test_pieces_of_a_large_tensor_stay_sparse_below_min_sparse_numel():
+    """A cap below ``min_sparse_numel`` still leaves the pieces of a large tensor sparse (the
+    size rule is the tensor's, not the piece's); tensors below it stay dense."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(770, 10)  # weight 7,700 entries: pieces of 1,000; bias 10: dense
+    opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0),
+                                          named_parameters=m.named_parameters(), density=0.01,
+                                          bidirectional=False, max_bucket_numel=1000,
+                                          cost_model="off", transport=LocalTransport())
+    views = list(opt.engine_state().values())
+    assert [v.sparse for v in views if v.name.startswith("weight")] == [True] * 8
+    assert [v.sparse for v in views if v.name == "bias"] == [False]
+    m(torch.randn(4, 770)).pow(2).sum().backward()
+    opt.step()
+    stats = opt.communication_stats()
+    assert stats["bytes_sent"] < 7700 * 4 / 4  # not the whole weight

@@ -16,7 +16,7 @@ import torch
 
 from .. import aggregation, kernels, safety
 from ..kernels import cpu
-from .flat import all_finite, numpy_view
+from .flat import all_finite, numpy_view, write_flat
 
 #: received weight changes go straight into the anchor while they number at most 1/8 of the
 #: bucket: a random touch costs about as much as 20-30 sequential entries, and the full-length
@@ -171,10 +171,16 @@ class UpdateExchange:
             out.append(_Probes(bs, pieces, flats, owner, as_numpy))
         return out
 
-    def exchange_deltas(self):
+    def exchange_deltas(self, hold=()):
         """Every bucket's change since the last exchange, sparsified with error feedback and
-        averaged like a gradient; all ranks restart from ``anchor + averaged change``."""
+        averaged like a gradient; all ranks restart from ``anchor + averaged change``.
+
+        ``hold``: parameters frozen after wrapping (``requires_grad_(False)``). They end the
+        exchange at their anchor, where the last exchange left them, on every rank: the
+        averaged change would release into a layer the user stopped training what error
+        feedback held from before (the gradient path zeroes what comes back for them)."""
         self.ensure_agreed()  # the anchors must be the same before the deltas are taken
+        held = self._anchored_values(hold)
         flagged, self._flag_at_exchange = self._flag_at_exchange, False
         for b in self.launch_order:
             delta = None if flagged else self._weight_change_parts(b)
@@ -184,6 +190,25 @@ class UpdateExchange:
             else:
                 self.launch(b, flat, delta=None if delta is None else delta[1:])
         self.finish("delta")
+        with torch.no_grad():
+            for b, p, off, lo, hi, values in held:
+                self.state[b.index].anchor[off:off + hi - lo].copy_(values)
+                write_flat(p, lo, hi, values)
+
+    def _anchored_values(self, params):
+        """(bucket, parameter, offset, lo, hi, a copy of its anchor) for each of ``params``."""
+        ids = {id(p) for p in params}
+        if not ids:
+            return []
+        held = []
+        for b in self.buckets:
+            anchor = self.state[b.index].anchor
+            if anchor is None:
+                continue
+            for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+                if id(p) in ids:
+                    held.append((b, p, off, lo, hi, anchor[off:off + hi - lo].clone()))
+        return held
 
     def take_sent(self):
         """(bucket, positions this rank sent in it) of the last exchange's sparse buckets, for

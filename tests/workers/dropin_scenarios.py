@@ -171,6 +171,19 @@ def scenario_gradscaler(res):
     amp_run(res, "amp_update_fused",
             make(m, torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
                  exchange="update"), m)
+    # torch's own recipes, no synchronize() first: the scaler's unscale finishes the exchange
+    m = model()
+    amp_run(res, "amp_torch", make(m), m, recipe="torch")
+    m = model()
+    amp_run(res, "amp_torch_clip", make(m), m, recipe="torch_clip")
+    m = model()
+    amp_run(res, "amp_horovod_clip", make(m), m, recipe="horovod_clip")
+    # a fused optimizer with gradients exchanged: the scaler's Inf check (it does not unscale
+    # but hands the scale and found_inf to the step) reads the exchanged gradient too
+    m = model()
+    amp_run(res, "amp_torch_fused",
+            make(m, torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
+                 exchange="gradient"), m, recipe="torch")
 
 
 def scenario_bfloat16_broadcasts(res):
@@ -240,7 +253,10 @@ def scenario_update_nonfinite(res):
             res[f"{key}_finite"] = bool(torch.isfinite(params(m)).all())
 
 
-def amp_run(res, prefix, opt, m):
+def amp_run(res, prefix, opt, m, recipe="horovod"):
+    """``recipe``: Horovod's AMP pattern (synchronize, unscale_, skip_synchronize), with
+    clipping after the unscale (``horovod_clip``), or torch's own: ``scaler.step`` alone
+    (``torch``), or ``scaler.unscale_``, clipping, ``scaler.step`` (``torch_clip``)."""
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
     scales, nonfinite_grads, stepped = [], [], []
@@ -255,12 +271,25 @@ def amp_run(res, prefix, opt, m):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = F.cross_entropy(m(x), y)
         scaler.scale(loss).backward()
-        opt.synchronize()
-        nonfinite_grads.append(any(not bool(torch.isfinite(p.grad).all())
-                                   for p in m.parameters()))
-        scaler.unscale_(opt)
-        with opt.skip_synchronize():
-            scaler.step(opt)
+        if recipe.startswith("horovod"):
+            opt.synchronize()
+            nonfinite_grads.append(any(not bool(torch.isfinite(p.grad).all())
+                                       for p in m.parameters()))
+            scaler.unscale_(opt)
+            if recipe.endswith("_clip"):
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+        else:
+            if recipe.endswith("_clip"):
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                scaler.step(opt)
+            res.setdefault(f"{prefix}_warnings", []).extend(str(w.message) for w in seen)
+            nonfinite_grads.append(any(not bool(torch.isfinite(p.grad).all())
+                                       for p in m.parameters()))
         scaler.update()
         scales.append(scaler.get_scale())
         stepped.append(not torch.equal(before, params(m)))
@@ -278,6 +307,7 @@ def amp_run(res, prefix, opt, m):
     res[f"{prefix}_stepped"] = stepped
     res[f"{prefix}_params_equal"] = same_everywhere(params(m))
     res[f"{prefix}_params_finite"] = bool(torch.isfinite(params(m)).all())
+    res[f"{prefix}_params"] = params(m).tolist()
     res[f"{prefix}_stats_nonfinite"] = opt.communication_stats()["nonfinite_steps"]
 
 
