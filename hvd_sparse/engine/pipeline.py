@@ -712,11 +712,14 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         try:
             received, bad = {}, {}
             check = self._dense_check_needed(write)
-            for b in self.buckets:
+            # in the order they went out: the last bucket's collective, still in flight, then
+            # overlaps the decoding of those before it
+            for b in self.launch_order:
                 received[b.index], bad_ranks = self._receive(b, check)
                 if bad_ranks:
                     bad[b.name] = bad_ranks
             if bad:
+                bad = {b.name: bad[b.name] for b in self.buckets if b.name in bad}
                 self._nonfinite(bad, received, write)
             else:
                 self.kept_unsent = write == "grads" and any(
