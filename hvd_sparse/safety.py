@@ -8,9 +8,14 @@
   residuals; raises :class:`ReplicaDivergenceError` naming the first tensor that differs.
 * :class:`NonFiniteGradientError` - raised on every rank when any rank's gradient held NaN/Inf
   (each payload carries a flag, so all ranks learn it from the same bytes).
+* :func:`check_same_exchange` - the engine's own small collectives made during ``step()``
+  (agreement, calibration, the finiteness vote) carry a fingerprint of their optimizer: ranks
+  that step several DistributedOptimizers in different orders raise
+  :class:`ExchangeOrderError` instead of pairing one optimizer's figures with another's.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 
 import torch
@@ -18,6 +23,32 @@ import torch
 
 class ConfigMismatchError(RuntimeError):
     """Ranks disagree on the model or on the optimizer's settings."""
+
+
+class ExchangeOrderError(ConfigMismatchError):
+    """Ranks reached the exchange of different DistributedOptimizers at the same point."""
+
+
+#: bytes of :func:`exchange_fingerprint`
+FINGERPRINT_BYTES = 8
+
+
+def exchange_fingerprint(bucket_names) -> bytes:
+    """Which optimizer a collective belongs to: a digest of its buckets' names, the same on
+    every rank for the same optimizer (collectives are matched in order, not by owner)."""
+    return hashlib.sha256("\0".join(bucket_names).encode()).digest()[:FINGERPRINT_BYTES]
+
+
+def check_same_exchange(prints, what: str) -> None:
+    """Raise :class:`ExchangeOrderError` (on every rank: all see the same ``prints``) when the
+    ranks' fingerprints differ."""
+    odd = [r for r, f in enumerate(prints) if f != prints[0]]
+    if odd:
+        raise ExchangeOrderError(
+            f"rank 0 and rank {odd[0]} reached the {what} of different DistributedOptimizers "
+            "at the same point. With several DistributedOptimizers, call their step() (and "
+            "synchronize()) in the same order on every rank: their exchanges are collectives, "
+            "matched in the order the ranks make them.")
 
 
 class ReplicaDivergenceError(RuntimeError):

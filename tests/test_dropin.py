@@ -346,3 +346,14 @@ def test_mpi_broadcasts_in_chunks(dropin):
         total = sum(range(1, n + 1))
         assert r["helpers_chunked_allreduce"] == [float(i * total) for i in range(10)]
         assert r["helpers_chunked_allreduce_avg"] == [i * total / n for i in range(10)]
+
+
+def test_two_optimizers_stepped_in_a_rank_dependent_order(dropin):
+    """As under Horovod, exchanged gradients train when ranks step two optimizers in
+    different orders; where the optimizers' own collectives run in step() (exchanged updates,
+    the time cost model's calibration) every rank raises ExchangeOrderError, naming the order,
+    instead of pairing one optimizer's figures with the other's."""
+    for r in dropin:
+        assert r["order_gradient_off_error"] is None and r["order_gradient_off_equal"]
+        assert r["order_gradient_time_error"] == "ExchangeOrderError"
+        assert r["order_update_error"] == "ExchangeOrderError"

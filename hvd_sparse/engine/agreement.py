@@ -60,15 +60,19 @@ def _feed(h, obj):
 
 
 def agree(transport, description: Optional[dict], replicated: dict,
-          root: int = 0) -> Optional[dict]:
+          root: int = 0, fingerprint: bytes = b"") -> Optional[dict]:
     """Run the agreement on every rank (a collective). Returns the root's replicated state when
     this rank's differs from it, else ``None``; raises on a configuration mismatch.
 
-    ``description``: what must be equal on every rank (``None``: not compared)."""
+    ``description``: what must be equal on every rank (``None``: not compared).
+    ``fingerprint``: the optimizer's (:func:`hvd_sparse.safety.exchange_fingerprint`)."""
     text = b"" if description is None else \
         json.dumps(description, sort_keys=True, default=str).encode()
-    mine = hashlib.sha256(text).digest() + state_digest(replicated)
+    n = len(fingerprint)
+    mine = fingerprint + hashlib.sha256(text).digest() + state_digest(replicated)
     digests = safety._gather_bytes(transport, mine, "hvd_sparse.agree")
+    safety.check_same_exchange([d[:n] for d in digests], "first exchange")
+    digests = [d[n:] for d in digests]
     if any(d[:DIGEST_BYTES] != digests[0][:DIGEST_BYTES] for d in digests):
         safety.raise_config_mismatch(transport, text)
     states = [d[DIGEST_BYTES:] for d in digests]

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from .. import costmodel, golomb
+from .. import costmodel, golomb, safety
 from ..kernels import cpu
 from . import sharded
 
@@ -93,12 +93,15 @@ def agreed_link(transport, device, largest_bucket_bytes: int):
         large = min(cap, large * 4)
 
 
-def agree_max(transport, values, name: str = "hvd_sparse.calibrate.agree") -> np.ndarray:
-    """The element-wise maximum over ranks of a list of floats."""
-    local = torch.tensor(list(values), dtype=torch.float64)
-    raw = local.view(torch.uint8)
-    got = transport.wait(transport.allgather_async(raw, name)).cpu()
-    table = got.view(torch.float64).view(transport.size(), len(values)).numpy()
+def agree_max(transport, values, name: str = "hvd_sparse.calibrate.agree",
+              fingerprint: bytes = b"") -> np.ndarray:
+    """The element-wise maximum over ranks of a list of floats (``fingerprint``: the
+    optimizer's, checked to be the same on every rank)."""
+    n = len(fingerprint)
+    mine = fingerprint + np.asarray(list(values), dtype=np.float64).tobytes()
+    got = safety._gather_bytes(transport, mine, name)
+    safety.check_same_exchange([g[:n] for g in got], "cost model's calibration")
+    table = np.stack([np.frombuffer(g[n:], dtype=np.float64) for g in got])
     return table.max(axis=0)
 
 
@@ -168,10 +171,6 @@ class LinkPricing:
         size = self.transport.size()
         device = self.buckets[0].params[0].device if self.buckets else "cpu"
         sparse = [b for b in self.buckets if b.sparse]
-        times, large, probes = agreed_link(
-            self.transport, device, max((b.nbytes for b in self.buckets), default=0))
-        self.link = link_from(times, size, large)
-        self.stats.totals["calibration_bytes"] += probes  # not part of any step's exchange
         n = len(sparse)
         local = [self._measured.get(b.index, 0.0) for b in sparse]
         wire = [self._wire.get(b.index, [0, 0, 1]) for b in sparse]
@@ -182,7 +181,13 @@ class LinkPricing:
             and cpu.available()
         if coding:
             local += measure_codec(c.density)
-        agreed = agree_max(self.transport, local) if local else []
+        # first (its fingerprint check stops ranks calibrating different optimizers before
+        # their link probes, of sizes set by each optimizer's buckets, could wait on each other)
+        agreed = agree_max(self.transport, local, fingerprint=self.fingerprint)
+        times, large, probes = agreed_link(
+            self.transport, device, max((b.nbytes for b in self.buckets), default=0))
+        self.link = link_from(times, size, large)
+        self.stats.totals["calibration_bytes"] += probes  # not part of any step's exchange
         compute, gathered, entries = agreed[:n], agreed[n:2 * n], agreed[2 * n:3 * n]
         self.codec = [float(x) for x in agreed[3 * n:]] if coding else None
         by = "gather" if (c.deterministic_dense and size > 2) else "reduce"

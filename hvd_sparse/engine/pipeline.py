@@ -82,6 +82,8 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         # Backward produces gradients last layer first: launching in that order lets an
         # order-matched transport start early buckets while backward is still running.
         self.launch_order = list(reversed(self.buckets))
+        # carried by the engine's own collectives in step() (safety.check_same_exchange)
+        self.fingerprint = safety.exchange_fingerprint([b.name for b in self.buckets])
         self.state: Dict[int, BucketState] = {
             b.index: BucketState.for_bucket(b, config.momentum_correction) for b in self.buckets}
         if config.collective == "auto" and transport.size() >= 4:
@@ -237,7 +239,7 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             return  # (every bucket allreduced on p.grad: Horovod's step, nothing to agree on)
         theirs = agreement.agree(self.transport,
                                  self.describe() if self.config.check_config else None,
-                                 self.replicated_state(), root)
+                                 self.replicated_state(), root, self.fingerprint)
         if theirs is not None:
             self.load_replicated(theirs)
 

@@ -254,9 +254,11 @@ class UpdateExchange:
         params = [p for b in self.buckets for p in b.params if p.grad is not None]
         bad = self._nonfinite_gradients()
         flag = torch.tensor([float(len(bad) > 0)], dtype=torch.float32)
-        if self.transport.size() > 1:
-            flag = self.transport.wait(self.transport.allreduce_async(
-                flag, "hvd_sparse.finite", average=False))
+        if self.transport.size() > 1:  # each rank's vote behind its optimizer's fingerprint
+            votes = safety._gather_bytes(self.transport, self.fingerprint + bytes([bool(bad)]),
+                                         "hvd_sparse.finite")
+            safety.check_same_exchange([v[:-1] for v in votes], "gradient check")
+            flag = torch.tensor([float(sum(v[-1] for v in votes))], dtype=torch.float32)
         if float(flag.sum()) == 0:
             self.finite_agreed = True  # the local step need not read the gradients again
             return

@@ -901,13 +901,50 @@ def scenario_sync_batch_norm(res):
     res["sbn_eval"] = float((sync(x) - ref.eval()(x)).abs().max())
 
 
+def scenario_two_optimizers_in_rank_order(res):
+    """Two DistributedOptimizers over one model, stepped A then B on even ranks and B then A
+    on odd ones. Exchanged gradients with no cost model: every collective went out during
+    backward, in the same order everywhere, so it trains as under Horovod. Where the
+    optimizer's own collectives run in step() (exchanged updates; the time cost model's
+    calibration), every rank raises ExchangeOrderError instead of pairing one optimizer's
+    figures with the other's (a false ConfigMismatchError, a KeyError, a shape error)."""
+    cases = {"gradient_off": dict(cost_model="off"),
+             "gradient_time": dict(cost_model="time", calibration_steps=1),
+             "update": dict(exchange="update")}
+    for name, kw in cases.items():
+        m = model()
+        body, head = list(m[0].parameters()), list(m[2].parameters())
+        a = hvd.DistributedOptimizer(torch.optim.SGD(body, lr=0.1),
+                                     named_parameters=list(m[0].named_parameters(prefix="0")),
+                                     density=0.1, min_sparse_numel=0, **kw)
+        b = hvd.DistributedOptimizer(torch.optim.SGD(head, lr=0.1),
+                                     named_parameters=list(m[2].named_parameters(prefix="2")),
+                                     density=0.1, min_sparse_numel=0, **kw)
+        order = (a, b) if hvd.rank() % 2 == 0 else (b, a)
+        error = None
+        try:
+            for i in range(4):
+                x, y = batch(i)
+                a.zero_grad()
+                b.zero_grad()
+                F.cross_entropy(m(x), y).backward()
+                for opt in order:
+                    opt.step()
+        except Exception as exc:  # noqa: BLE001 - the type is what is checked
+            error = type(exc).__name__
+        res[f"order_{name}_error"] = error
+        if error is None:
+            res[f"order_{name}_equal"] = same_everywhere(params(m))
+
+
 SCENARIOS = [scenario_update_exchange, scenario_step_hooks, scenario_gradient_hooks_after_wrapping,
              scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
              scenario_update_nonfinite, scenario_bfloat16_broadcasts,
              scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
              scenario_sparse_embedding, scenario_memory_layouts, scenario_bfloat16_dense_tensor,
              scenario_step_with_closure, scenario_checkpoint_loads_weights_only,
-             scenario_collective_helpers, scenario_more_collectives, scenario_sync_batch_norm]
+             scenario_collective_helpers, scenario_more_collectives, scenario_sync_batch_norm,
+             scenario_two_optimizers_in_rank_order]
 
 
 if __name__ == "__main__":
