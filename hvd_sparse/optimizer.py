@@ -643,7 +643,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          sparsifier="topk", threshold=None, total_steps=None, min_density=None,
                          max_density=None, sparsifier_options=None, index_coding=None,
                          momentum_correction=0.0, local_clip_norm=None, density_warmup_steps=0,
-                         density_cooldown_steps=0, cooldown_density=0.1,
+                         density_cooldown_steps=0, cooldown_density=0.2,
                          dense_warmup_steps=0, local_steps=1, exchange="auto",
                          track_error=True,
                          deterministic_dense=True, dense_fallback=True, cost_model="time",
@@ -692,7 +692,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     than ``"time"``, on GPUs, without numba and for the sharded exchange.
     ``total_steps`` is the run's length in optimizer steps, where known: adaptive Top-K plans its
     budget over it, and ``density_cooldown_steps`` > 0 raises the density geometrically to
-    ``cooldown_density`` (default 0.1) over that many last steps of it (``hvd_sparse.dgc``:
+    ``cooldown_density`` (default 0.2) over that many last steps of it (``hvd_sparse.dgc``:
     what error feedback still holds reaches the final model; measured in
     ``benchmarks/convergence.py``).
     DGC's aids: ``momentum_correction`` (velocity factor, with masking; use a base optimizer

@@ -74,7 +74,7 @@ class EngineConfig:
     density_warmup_steps: int = 0
     total_steps: Optional[int] = None  # the run's length in optimizer steps, where known
     density_cooldown_steps: int = 0  # the last steps of total_steps, density rising ...
-    cooldown_density: float = 0.1  # ... geometrically to this (dgc.cooldown_density)
+    cooldown_density: float = 0.2  # ... geometrically to this (dgc.cooldown_density)
     dense_warmup_steps: int = 0
     local_steps: int = 1
     exchange: str = "gradient"  # or "update": each rank's optimizer step is what is exchanged
@@ -191,7 +191,7 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
                  threshold, total_steps, min_density, max_density, sparsifier_options,
                  index_coding, momentum_correction, local_clip_norm, density_warmup_steps,
                  dense_warmup_steps, local_steps, density_cooldown_steps=0,
-                 cooldown_density=0.1, track_error, exchange, deterministic_dense,
+                 cooldown_density=0.2, track_error, exchange, deterministic_dense,
                  dense_fallback, cost_model, calibration_steps, recalibrate_every, value_dtype,
                  nonfinite, verify_every, check_config, collective="auto",
                  sharded_selection="global", rebalance_every=100,
