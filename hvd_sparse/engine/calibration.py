@@ -8,7 +8,7 @@ names on every rank, at the same step.
 The large size starts at 4 MiB, or at the largest bucket where that is smaller (nothing larger
 is ever priced), and grows (x4, up to the largest bucket) until its transfer takes at least
 ``DOMINATES`` times the small one. Below that the fixed cost hides the bandwidth: Horovod
-starts collectives on a cycle (5 ms in the training CLI), back-to-back timings lock onto it,
+starts collectives on a cycle (HOROVOD_CYCLE_TIME), back-to-back timings lock onto it,
 and a 4 MiB allreduce on a fast link measured exactly one cycle, as did 64 bytes; the fit then
 read an unbounded bandwidth and priced a 36 MB dense bucket at 5 ms (loopback, 2 ranks).
 """

@@ -63,10 +63,12 @@ def parse_args(argv=None):
                    help="how sparse buckets are exchanged (see DistributedOptimizer)")
     p.add_argument("--sharded-selection", default="global", choices=["global", "region"],
                    help="how a sharded Top-K downlink is selected (see DistributedOptimizer)")
-    p.add_argument("--cycle-time-ms", type=float, default=5.0,
-                   help="Horovod's background cycle (HOROVOD_CYCLE_TIME, unless already set): "
-                        "Horovod's 1 ms default spins a core that ranks sharing a host need; "
-                        "5 ms measured ~30%% faster sparse steps here, dense no slower")
+    p.add_argument("--cycle-time-ms", type=float, default=None,
+                   help="Horovod's background cycle (HOROVOD_CYCLE_TIME, unless already set; "
+                        "default: Horovod's own, 1 ms). 5 ms was the default until the "
+                        "thirtieth session; since MPI's waiting threads yield their core "
+                        "(hvd_sparse.init), 1 ms is faster: mlp11m at 1 Gbit/s 88.5 against "
+                        "95.4 ms at 2 ranks, 260 against 279 at 4 (benchmarks/cycle_time.py)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--steps-per-epoch", type=int, default=200, help="text data sets only")
     p.add_argument("--batch-size", type=int, default=None, help="per rank")
