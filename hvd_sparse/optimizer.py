@@ -270,7 +270,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         was taken with the loss scale still in it (Horovod races its in-place allreduce)."""
         if _UNSCALE_CODE is not None and sys._getframe(1).f_code is _UNSCALE_CODE:
             self._hs_synchronize_for_scaler()
-        return self.__dict__["param_groups"]
+        try:
+            return self.__dict__["param_groups"]
+        except KeyError:  # (not made yet: what attribute access says)
+            raise AttributeError("param_groups") from None
 
     @param_groups.setter
     def param_groups(self, groups):

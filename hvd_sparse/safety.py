@@ -9,9 +9,10 @@
 * :class:`NonFiniteGradientError` - raised on every rank when any rank's gradient held NaN/Inf
   (each payload carries a flag, so all ranks learn it from the same bytes).
 * :func:`check_same_exchange` - the engine's own small collectives made during ``step()``
-  (agreement, calibration, the finiteness vote) carry a fingerprint of their optimizer: ranks
-  that step several DistributedOptimizers in different orders raise
-  :class:`ExchangeOrderError` instead of pairing one optimizer's figures with another's.
+  (calibration, the finiteness vote; the first exchange's agreement names the difference)
+  carry a fingerprint of their optimizer: ranks that step several DistributedOptimizers in
+  different orders raise :class:`ExchangeOrderError` instead of pairing one optimizer's
+  figures with another's.
 """
 from __future__ import annotations
 
@@ -44,11 +45,15 @@ def check_same_exchange(prints, what: str) -> None:
     ranks' fingerprints differ."""
     odd = [r for r, f in enumerate(prints) if f != prints[0]]
     if odd:
-        raise ExchangeOrderError(
-            f"rank 0 and rank {odd[0]} reached the {what} of different DistributedOptimizers "
-            "at the same point. With several DistributedOptimizers, call their step() (and "
-            "synchronize()) in the same order on every rank: their exchanges are collectives, "
-            "matched in the order the ranks make them.")
+        raise exchange_order_error(what, f"rank 0 and rank {odd[0]}")
+
+
+def exchange_order_error(what: str, who: str = "the ranks") -> ExchangeOrderError:
+    return ExchangeOrderError(
+        f"{who} reached the {what} of different DistributedOptimizers at the same point. "
+        "With several DistributedOptimizers, call their step() (and synchronize()) in the "
+        "same order on every rank: their exchanges are collectives, matched in the order the "
+        "ranks make them.")
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -97,11 +102,15 @@ def _first_difference(a, b, path=""):
     return None if a == b else (path.lstrip("."), a, b)
 
 
-def raise_config_mismatch(transport, text: bytes) -> None:
+def raise_config_mismatch(transport, text: bytes, other_optimizer: bool = False) -> None:
     """After digests differed (on every rank): gather the descriptions and raise, naming the
-    first difference."""
+    first difference. ``other_optimizer``: the optimizers' fingerprints differed too, so the
+    ranks may also be at the exchanges of different DistributedOptimizers."""
     texts = _gather_bytes(transport, text, "hvd_sparse.config.full")
     descs = [json.loads(t) if t else {} for t in texts]
+    hint = (" Or, with several DistributedOptimizers, the ranks are at the first exchanges of "
+            "different ones: call their step() (and synchronize()) in the same order on every "
+            "rank.") if other_optimizer else ""
     for r in range(1, len(descs)):
         diff = _first_difference(descs[0], descs[r])
         if diff:
@@ -109,8 +118,8 @@ def raise_config_mismatch(transport, text: bytes) -> None:
             raise ConfigMismatchError(
                 f"ranks disagree before the first exchange: '{where}' is {a!r} on rank 0 but "
                 f"{b!r} on rank {r}. Every rank must build the same model (names, shapes, "
-                "dtypes) and pass the same hvd_sparse options.")
-    raise ConfigMismatchError("ranks disagree on the optimizer's configuration")
+                "dtypes) and pass the same hvd_sparse options." + hint)
+    raise ConfigMismatchError("ranks disagree on the optimizer's configuration." + hint)
 
 
 def checksum(t: torch.Tensor) -> torch.Tensor:

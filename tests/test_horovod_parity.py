@@ -91,7 +91,8 @@ def test_join_is_refused_clearly_with_sparse_buckets_and_works_dense(parity):
         assert ours["params"] == theirs["params"]
         # after the join every rank counts rank 0's three steps (a verify_every collective
         # keyed on the counter hung the ranks that had joined early)
-        for key in ("uneven-small-hvd_sparse", "uneven-small-hvd_sparse-wide"):
+        for key in ("uneven-small-hvd_sparse", "uneven-small-hvd_sparse-wide",
+                    "uneven-small-hvd_sparse-update"):
             assert r["join"][key]["steps"] == 3, r["join"][key]
 
 

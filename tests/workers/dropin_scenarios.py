@@ -906,8 +906,10 @@ def scenario_two_optimizers_in_rank_order(res):
     on odd ones. Exchanged gradients with no cost model: every collective went out during
     backward, in the same order everywhere, so it trains as under Horovod. Where the
     optimizer's own collectives run in step() (exchanged updates; the time cost model's
-    calibration), every rank raises ExchangeOrderError instead of pairing one optimizer's
-    figures with the other's (a false ConfigMismatchError, a KeyError, a shape error)."""
+    calibration), every rank raises instead of pairing one optimizer's figures with the other's
+    (a misleading ConfigMismatchError, a KeyError, a shape error): ExchangeOrderError, or at
+    the first exchange, where another model looks alike, ConfigMismatchError naming both
+    causes."""
     cases = {"gradient_off": dict(cost_model="off"),
              "gradient_time": dict(cost_model="time", calibration_steps=1),
              "update": dict(exchange="update")}
@@ -932,6 +934,7 @@ def scenario_two_optimizers_in_rank_order(res):
                     opt.step()
         except Exception as exc:  # noqa: BLE001 - the type is what is checked
             error = type(exc).__name__
+            res[f"order_{name}_message"] = str(exc)
         res[f"order_{name}_error"] = error
         if error is None:
             res[f"order_{name}_equal"] = same_everywhere(params(m))

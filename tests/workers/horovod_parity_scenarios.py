@@ -304,13 +304,19 @@ def scenario_join(res):
             ("hvd_sparse", hvd.DistributedOptimizer, 8),
             ("horovod-wide", horovod.DistributedOptimizer, 96),
             ("hvd_sparse-wide", lambda o, **kw: hvd.DistributedOptimizer(o, density=1.0, **kw),
-             96)):
+             96),
+            # exchanged updates, one step on every rank first (the first exchange's agreement
+            # is an allgather): the finiteness vote of each later step is an allreduce (an
+            # allgather there stopped the job: Horovod's join serves allreduces only)
+            ("hvd_sparse-update",
+             lambda o, **kw: hvd.DistributedOptimizer(o, exchange="update", **kw), 8)):
         torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(),
                                 torch.nn.Linear(width, 4))
         opt = wrap(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
         torch.manual_seed(7 + hvd.rank())
-        for _ in range(3 if hvd.rank() == 0 else 0):
+        together = 1 if name.endswith("-update") else 0
+        for _ in range(3 if hvd.rank() == 0 else together):
             opt.zero_grad()
             F.mse_loss(m(torch.randn(8, 16)), torch.randn(8, 4)).backward()
             opt.step()
