@@ -244,8 +244,9 @@ def exchange_defaults(args, base) -> None:
       session, 3 seeds each, 2 ranks): char-LSTM (900 steps) +3.9% against +4.3% without it,
       held-out GRU on fortune cookies +3.8% against +5.2%, ResNet -0.15 pt (5 seeds) against
       -0.25; ending at 20% rather than 10% (thirtieth session, the default below): GRU at 1%
-      +1.8% against +2.2% (3 seeds), at 0.1% +4.9% against +5.5% (seed 0), LSTM +0.8%
-      against +1.1%, TCN -0.4% against +0.5%, for 0.5% more of dense's bytes. Where SGD has momentum, DGC's momentum masking at half strength too (the
+      +1.8% against +2.2%, at 0.1% +4.7% against +5.4% (3 seeds each), LSTM +0.8 / +1.7%
+      against +1.1 / +1.8%, TCN -0.4 / -0.2% against +0.5 / +0.4% (2 seeds), ResNet equal,
+      for about 0.5% more of dense's bytes. Where SGD has momentum, DGC's momentum masking at half strength too (the
       momentum scaled by 0.5 where a rank sent, :data:`MASKING_STRENGTH`): full masking
       steadied runs at a model's best dense rate (GRU at 0.3: +3.4 / +3.2% against +2.3 /
       +15.2% without, the latter knocked off course early) but cost below it (GRU at 0.2:
