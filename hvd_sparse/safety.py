@@ -40,6 +40,26 @@ def exchange_fingerprint(bucket_names) -> bytes:
     return hashlib.sha256("\0".join(bucket_names).encode()).digest()[:FINGERPRINT_BYTES]
 
 
+def same_by_sums(transport, data: bytes, name: str, extra=()):
+    """Is ``data`` the same on every rank taking part? One allreduce (which Horovod's ``join``
+    serves, unlike an allgather) of a count of the ranks, ``extra`` numbers, and ``data`` in
+    16-bit pieces with their squares: a piece is equal everywhere exactly when its sum is the
+    count times this rank's and its sum of squares the count times its square (no spread),
+    so every rank reaches the same answer, exactly (float64 holds these sums). A rank inside
+    ``join()`` adds zeros: it is not counted. Returns (equal, the summed ``extra``)."""
+    if len(data) % 2:
+        data += b"\0"
+    pieces = [float(int.from_bytes(data[i:i + 2], "little")) for i in range(0, len(data), 2)]
+    k = len(extra)
+    mine = torch.tensor([1.0, *map(float, extra), *pieces, *(p * p for p in pieces)],
+                        dtype=torch.float64)
+    got = transport.wait(transport.allreduce_async(mine, name, average=False)).cpu().tolist()
+    count, sums, squares = got[0], got[1 + k:1 + k + len(pieces)], got[1 + k + len(pieces):]
+    equal = all(t == count * p and q == count * p * p
+                for t, q, p in zip(sums, squares, pieces))
+    return equal, got[1:1 + k]
+
+
 def check_same_exchange(prints, what: str) -> None:
     """Raise :class:`ExchangeOrderError` (on every rank: all see the same ``prints``) when the
     ranks' fingerprints differ."""

@@ -276,19 +276,13 @@ class UpdateExchange:
         self.stats.skipped += 1
 
     def _vote(self, bad: bool) -> torch.Tensor:
-        """Every rank's say on "non-finite" summed (one allreduce, which Horovod's ``join``
-        serves, unlike an allgather), with this optimizer's fingerprint in 16-bit pieces and a
-        count of the ranks taking part: every piece's sum must be count times this rank's, or
-        another rank is at another optimizer's vote."""
-        pieces = [float(int.from_bytes(self.fingerprint[i:i + 2], "little"))
-                  for i in range(0, len(self.fingerprint), 2)]
-        mine = torch.tensor([float(bad), 1.0, *pieces], dtype=torch.float64)
-        got = self.transport.wait(self.transport.allreduce_async(
-            mine, "hvd_sparse.finite", average=False)).cpu()
-        count = float(got[1])  # (a rank that joined adds zeros)
-        if any(float(t) != count * p for t, p in zip(got[2:], pieces)):
+        """Every rank's say on "non-finite" summed, with this optimizer's fingerprint checked
+        (:func:`hvd_sparse.safety.same_by_sums`: one allreduce, which ``join`` serves)."""
+        same, (votes,) = safety.same_by_sums(self.transport, self.fingerprint,
+                                             "hvd_sparse.finite", extra=(float(bad),))
+        if not same:
             raise safety.exchange_order_error("gradient check")
-        return got[:1].to(torch.float32)
+        return torch.tensor([votes], dtype=torch.float32)
 
     def local_step_finite(self) -> bool:
         """Before a local step (communication delay): are this rank's gradients finite? If
