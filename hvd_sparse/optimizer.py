@@ -189,9 +189,13 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         for it is set to zero: error feedback still holds mass from before it was frozen, and
         releasing that into it would move a layer the user stopped training (Horovod's zero
         gradient leaves it where it is)."""
-        for p in self._hs_buckets_of:
-            if not p.requires_grad and p.grad is not None:
+        for p in self._hs_frozen():
+            if p.grad is not None:
                 p.grad.zero_()
+
+    def _hs_frozen(self):
+        """The exchanged parameters frozen after wrapping (``requires_grad_(False)``)."""
+        return [p for p in self._hs_buckets_of if not p.requires_grad]
 
     def _hs_record_written(self):
         """Note which tensors the exchange wrote into ``p.grad`` (see _hs_resynchronized)."""
@@ -467,8 +471,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_reset_round()
         if engine.local_step_done() and self._hs_transport.included():
             try:
-                engine.exchange_deltas(hold=[p for p in self._hs_buckets_of
-                                             if not p.requires_grad])
+                engine.exchange_deltas(hold=self._hs_frozen())
                 if engine.config.momentum_masking:
                     self._hs_mask_momentum(engine.take_sent())
             finally:

@@ -68,12 +68,15 @@ def check_same_exchange(prints, what: str) -> None:
         raise exchange_order_error(what, f"rank 0 and rank {odd[0]}")
 
 
+#: what to do when ranks step several DistributedOptimizers in different orders
+SAME_ORDER = "call their step() (and synchronize()) in the same order on every rank"
+
+
 def exchange_order_error(what: str, who: str = "the ranks") -> ExchangeOrderError:
     return ExchangeOrderError(
         f"{who} reached the {what} of different DistributedOptimizers at the same point. "
-        "With several DistributedOptimizers, call their step() (and synchronize()) in the "
-        "same order on every rank: their exchanges are collectives, matched in the order the "
-        "ranks make them.")
+        f"With several DistributedOptimizers, {SAME_ORDER}: their exchanges are collectives, "
+        "matched in the order the ranks make them.")
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -129,8 +132,7 @@ def raise_config_mismatch(transport, text: bytes, other_optimizer: bool = False)
     texts = _gather_bytes(transport, text, "hvd_sparse.config.full")
     descs = [json.loads(t) if t else {} for t in texts]
     hint = (" Or, with several DistributedOptimizers, the ranks are at the first exchanges of "
-            "different ones: call their step() (and synchronize()) in the same order on every "
-            "rank.") if other_optimizer else ""
+            f"different ones: {SAME_ORDER}.") if other_optimizer else ""
     for r in range(1, len(descs)):
         diff = _first_difference(descs[0], descs[r])
         if diff:
