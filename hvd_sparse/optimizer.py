@@ -588,6 +588,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         extra = state_dict.pop(STATE_KEY, None)
+        if extra is not None:  # refused before anything is loaded, not half way
+            extra = self._hs_engine.checked_state(extra)
         self._hs_reset_round()
         self._synchronized = False
         self._should_synchronize = True

@@ -140,7 +140,7 @@ def raise_config_mismatch(transport, text: bytes, other_optimizer: bool = False)
             raise ConfigMismatchError(
                 f"ranks disagree before the first exchange: '{where}' is {a!r} on rank 0 but "
                 f"{b!r} on rank {r}. Every rank must build the same model (names, shapes, "
-                "dtypes) and pass the same hvd_sparse options." + hint)
+                "dtypes, listed in the same order) and pass the same hvd_sparse options." + hint)
     raise ConfigMismatchError("ranks disagree on the optimizer's configuration." + hint)
 
 

@@ -65,12 +65,28 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, **kwargs):
 
     if _holds_refused_dtypes(optimizer):  # Horovod's would fail on them, tensor by tensor
         return broadcast_state_as_object(optimizer, root_rank, hvd.broadcast_object)
+    held = _parameters_before_initialising_step(optimizer)
     with warnings.catch_warnings():  # the state dict it reads is not a checkpoint
         warnings.simplefilter("ignore", ShardedStateWarning)
         hvd.broadcast_optimizer_state(optimizer, root_rank, model=model, **kwargs)
+    with torch.no_grad():
+        for p, before in held:
+            p.copy_(before)
     engine = getattr(optimizer, "_hs_engine", None)
     if engine is not None:
         engine.request_agreement(root_rank)
+
+
+def _parameters_before_initialising_step(optimizer) -> list:
+    """Horovod's broadcast gives an optimizer without state one step on zero gradients to
+    create it, after the parameters were broadcast; with weight decay (SGD's, AdamW's) or
+    ASGD's averaging that step moves this rank's weights, and a rank resumed from a
+    checkpoint, which takes no such step, kept the others' replicas apart for good. The
+    parameters as they are, to be put back after it (none when there is state: no step)."""
+    if len(optimizer.state) > 0:
+        return []
+    return [(p, p.detach().clone()) for group in optimizer.param_groups
+            for p in group["params"] if p.requires_grad]
 
 
 def _holds_refused_dtypes(optimizer) -> bool:

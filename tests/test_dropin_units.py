@@ -1118,6 +1118,84 @@ def test_a_compiled_models_state_resumes_on_the_plain_model(saved_prefix, loaded
     assert all(bool(torch.isfinite(p).all()) for p in m2.parameters())
 
 
+@pytest.mark.parametrize("names", ["unnamed", "in_a_container"])
+def test_a_state_saved_under_other_parameter_names_resumes_by_position(names):
+    """Torch and Horovod load optimizer states by position: a checkpoint made without
+    ``named_parameters`` (names "allreduce.noname.*") or of a model since wrapped in a
+    container (names "model.*") resumes where the buckets agree in number and size. hvd_sparse
+    refused both (a peer's probe)."""
+    import copy
+
+    m = _net()
+    opt = _wrap(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    _train(m, opt, 3)
+    sd = copy.deepcopy(opt.state_dict())  # (torch's holds the live momentum buffers)
+    m2 = _net()
+    base = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    named = None if names == "unnamed" else [("model." + n, p) for n, p in m2.named_parameters()]
+    opt2 = hvd_sparse.DistributedOptimizer(base, named_parameters=named, density=0.1,
+                                           min_sparse_numel=0, cost_model="off",
+                                           transport=LocalTransport())
+    opt2.load_state_dict(sd)
+    saved = list(sd["hvd_sparse"]["buckets"].values())
+    again = list(opt2.state_dict()["hvd_sparse"]["buckets"].values())
+    assert len(saved) == len(again) == 4
+    for entry, twin in zip(saved, again):
+        assert entry["uplink"] is not None and torch.equal(entry["uplink"], twin["uplink"])
+    assert opt2.state_dict()["hvd_sparse"]["steps"] == 3
+    # and then trains as the uninterrupted run does, bit for bit
+    m2.load_state_dict(m.state_dict())
+    _train(m, opt, 2, seed=5)
+    _train(m2, opt2, 2, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+
+
+def test_a_state_saved_at_another_density_resumes_and_names_what_it_drops():
+    """Finishing a sparse run dense (density 1.0, every bucket dense) or the reverse: the
+    wrapped optimizer's state and the counters load, a sparse bucket's unsent mass with no
+    sparse bucket to go to is dropped with a warning, and a bucket sparse only here starts
+    afresh (no warning: nothing lost). hvd_sparse refused both ways, naming the scope."""
+    import warnings
+
+    m = _net()
+    opt = _wrap(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), density=0.01)
+    _train(m, opt, 3)
+    sparse_sd = opt.state_dict()
+    m2 = _net()
+    dense = _wrap(m2, torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9), density=1.0)
+    with pytest.warns(UserWarning, match="dropped"):
+        dense.load_state_dict(sparse_sd)
+    assert dense.state_dict()["hvd_sparse"]["steps"] == 3
+    assert all("momentum_buffer" in dense.state[p] for p in m2.parameters())
+    _train(m2, dense, 2)
+    dense_sd = dense.state_dict()
+    m3 = _net()
+    back = _wrap(m3, torch.optim.SGD(m3.parameters(), lr=0.1, momentum=0.9), density=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is lost that way
+        back.load_state_dict(dense_sd)
+    assert back.state_dict()["hvd_sparse"]["steps"] == 5
+    _train(m3, back, 2)
+    assert all(bool(torch.isfinite(p).all()) for p in m3.parameters())
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_loads():
+    """A bucket of another size under the same name is a model mismatch: the error comes before
+    the wrapped optimizer's own state is loaded (it was loaded, then the engine refused,
+    leaving the optimizer half-resumed)."""
+    m = _net()
+    opt = _wrap(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    _train(m, opt, 2)
+    sd = opt.state_dict()
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Tanh(), torch.nn.Linear(48, 3))
+    opt2 = _wrap(other, torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9))
+    with pytest.raises(ValueError, match="another model"):
+        opt2.load_state_dict(sd)
+    assert len(opt2.state) == 0  # nothing of it loaded
+    assert opt2.state_dict()["hvd_sparse"]["steps"] == 0
+
+
 @pytest.mark.parametrize("scope", ["tensor", "model"])
 @pytest.mark.parametrize("method", ["topk", "gaussiank", "threshold", "adaptive", "sbc"])
 def test_a_state_dict_taken_between_backward_and_step_resumes_exactly(method, scope):

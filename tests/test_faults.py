@@ -36,7 +36,8 @@ def test_replica_verification_names_the_diverging_tensor(faults):
                                        ("density", "density"), ("bpps", "backward_passes"),
                                        ("sparsifier", "sparsifier"),
                                        ("optimizer", "'optimizer' is 'SGD' on rank 0 but "
-                                                     "'AdamW'")])
+                                                     "'AdamW'"),
+                                       ("dense_order", "buckets"), ("packed_order", "buckets")])
 def test_mismatched_ranks_fail_clearly_on_every_rank(faults, case, word):
     for r in faults:
         msg = r["mismatch"][case]

@@ -46,7 +46,9 @@ class Checkpointing:
         for b in self.buckets:
             st = self.state[b.index]
             device = b.params[0].device
-            if b.sparse:
+            if b.sparse and b.name not in buckets:  # not in a checkpoint: starts afresh
+                st.downlink.load(None)
+            elif b.sparse:
                 entry = buckets[b.name]
                 d = entry["downlink"]
                 st.downlink.load(None if d is None else d.to(device))
@@ -128,8 +130,43 @@ class Checkpointing:
                     "exchange": self.exchange_kind()})
         return checkpoint.loadable(rep)
 
+    def checked_state(self, extra: dict) -> dict:
+        """A saved engine state made to fit this optimizer, or an error, before anything is
+        loaded (the wrapper calls it before the wrapped optimizer's own state is loaded, so
+        a refused checkpoint leaves both as they were). Buckets are matched by name; where
+        the names differ (no ``named_parameters``, a model wrapped in a container,
+        ``torch.compile``) but the buckets are the same in number and size, by position, as
+        torch and Horovod load optimizer states. A bucket that is sparse on one side only
+        (another density, scope or ``min_sparse_numel``) starts afresh here, and unsent mass
+        saved for one that is not sparse here is dropped, with a warning. A bucket of
+        another size under the same name is a model mismatch and raises."""
+        if extra.get("format") != STATE_FORMAT:
+            raise ValueError(f"hvd_sparse state has format {extra.get('format')}, "
+                             f"this version reads {STATE_FORMAT}")
+        order = [b for b in self.buckets if b.sparse]
+        mine = {b.name: b for b in order}
+        extra = _compiled_names_matched(extra, set(mine), [b.name for b in self.buckets])
+        extra = _positions_matched(extra, order, self.buckets)
+        saved = extra["buckets"]
+        for bname in sorted(set(saved) & set(mine)):
+            if saved[bname]["numel"] != mine[bname].numel:
+                raise ValueError(f"bucket '{bname}' has {saved[bname]['numel']} entries in the "
+                                 f"checkpoint and {mine[bname].numel} here (another model?)")
+        if set(saved) - set(mine):
+            lost = sorted(n for n in set(saved) - set(mine) if _holds_mass(saved[n]))
+            if lost:
+                warnings.warn(
+                    "the checkpoint's sparse buckets differ from this optimizer's (made with "
+                    "another density, scope, min_sparse_numel or named_parameters?): the "
+                    f"unsent mass it holds for {', '.join(lost)}, which are not sparse buckets "
+                    f"here (this optimizer's: {', '.join(sorted(mine)) or 'none'}), is dropped; "
+                    "resume with the settings it was saved with to keep it")
+            extra = dict(extra, buckets={n: v for n, v in saved.items() if n in mine})
+        return extra
+
     def load_state_dict(self, extra: dict) -> None:
-        """Restore the engine's state. The rule for a state saved elsewhere:
+        """Restore the engine's state (fitted first by :meth:`checked_state`). The rule for a
+        state saved elsewhere:
 
         * saved by this rank in a job of the same size: everything is restored exactly;
         * saved by another rank, or by a job of another size (a rank-0 checkpoint loaded on all
@@ -144,23 +181,9 @@ class Checkpointing:
         then calling ``broadcast_optimizer_state`` on every rank leaves all replicas equal.
         """
         t = self.transport
-        if extra.get("format") != STATE_FORMAT:
-            raise ValueError(f"hvd_sparse state has format {extra.get('format')}, "
-                             f"this version reads {STATE_FORMAT}")
+        extra = self.checked_state(extra)
         mine = {b.name: b for b in self.buckets if b.sparse}
-        extra = _compiled_names_matched(extra, set(mine), [b.name for b in self.buckets])
         saved = extra["buckets"]
-        if set(saved) != set(mine):
-            raise ValueError("the checkpoint's sparse buckets differ from this optimizer's: "
-                             f"missing {sorted(set(mine) - set(saved))}, "
-                             f"unexpected {sorted(set(saved) - set(mine))} (made with another "
-                             "scope or model? The default scope='auto' selects over the whole "
-                             "model below 1% density (earlier: per tensor); pass the scope the "
-                             "checkpoint was made with, e.g. scope='tensor')")
-        for bname, b in mine.items():
-            if saved[bname]["numel"] != b.numel:
-                raise ValueError(f"bucket '{bname}' has {saved[bname]['numel']} entries in the "
-                                 f"checkpoint and {b.numel} here")
         saved_kind = extra.get("exchange")  # (absent before the twenty-seventh session)
         other_kind = saved_kind not in (None, self.exchange_kind())
         own = extra["rank"] == t.rank() and extra["world_size"] == t.size() and not other_kind
@@ -190,6 +213,8 @@ class Checkpointing:
                 st.anchor = None
         if own:
             for bname, b in mine.items():
+                if bname not in saved:  # not in the checkpoint: as it is
+                    continue
                 st = self.state[b.index]
                 up = saved[bname]["uplink"]
                 st.uplink.load(None if up is None else up.to(b.params[0].device))
@@ -250,7 +275,7 @@ class Checkpointing:
         dropped = []
         for bname, b in mine.items():
             st = self.state[b.index]
-            entry = saved[bname].get("shard")
+            entry = saved.get(bname, {}).get("shard")
             st.shard, st.shard_layout = None, None
             if entry is None:
                 continue
@@ -291,9 +316,38 @@ def _compiled_names_matched(extra: dict, sparse: set, names: list) -> dict:
     if len(ours) != len(names) or {plain(n) for n in saved} != {plain(n) for n in sparse}:
         return extra
     rename = {n: ours[plain(n)] for n in saved}
+    return _renamed(extra, lambda k: rename.get(k, ours.get(plain(k), k)))
 
+
+def _holds_mass(entry: dict) -> bool:
+    """Whether a saved sparse bucket holds unsent mass (a non-zero residual or velocity)."""
+    shard = entry.get("shard") or {}
+    tensors = [entry.get(k) for k in ("uplink", "downlink", "velocity")] + \
+        [shard.get("residual")]
+    return any(t is not None and bool(t.any()) for t in tensors)
+
+
+def _positions_matched(extra: dict, order: list, buckets: list) -> dict:
+    """``extra`` with its sparse bucket names (and anchors') renamed to this optimizer's by
+    position where the names differ but the buckets agree in number and size, in order;
+    else ``extra``."""
+    saved = extra["buckets"]
+    ours = [b.name for b in order]
+    if set(saved) == set(ours) or len(saved) != len(ours) \
+            or [v["numel"] for v in saved.values()] != [b.numel for b in order]:
+        return extra
+    rename = dict(zip(saved, ours))
+    anchors = extra.get("anchors", {})
+    if len(anchors) == len(buckets) and not set(anchors) <= {b.name for b in buckets} \
+            and [a.numel() for a in anchors.values()] == [b.numel for b in buckets]:
+        rename.update(zip(anchors, (b.name for b in buckets)))  # every bucket's, in order
+    return _renamed(extra, lambda k: rename.get(k, k))
+
+
+def _renamed(extra: dict, new_name) -> dict:
+    """``extra`` with the bucket names of every per-bucket table renamed by ``new_name``."""
     def keyed(d):
-        return {rename.get(k, ours.get(plain(k), k)): v for k, v in d.items()}
+        return {new_name(k): v for k, v in d.items()}
 
     out = dict(extra, buckets=keyed(extra["buckets"]), anchors=keyed(extra.get("anchors", {})))
     for key in ("sparsifier", "downlink_sparsifier"):

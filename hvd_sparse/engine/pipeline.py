@@ -235,13 +235,35 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             if self.holds_replicated_state():
                 self._recover_regions()
             self._warn_changed_dtypes()
-        if size == 1 or not self.holds_replicated_state():
-            return  # (every bucket allreduced on p.grad: Horovod's step, nothing to agree on)
+        if size == 1:
+            return
+        if not self.holds_replicated_state():
+            self._check_dense_pairing()  # (Horovod's step: nothing replicated to agree on)
+            return
         theirs = agreement.agree(self.transport,
                                  self.describe() if self.config.check_config else None,
                                  self.replicated_state(), root, self.fingerprint)
         if theirs is not None:
             self.load_replicated(theirs)
+
+    def _check_dense_pairing(self) -> None:
+        """Every bucket allreduced on ``p.grad``: the buckets must still pair up across ranks.
+        With a rank-dependent parameter order (a list built from a set, say) their names
+        differed and Horovod stalled, or, packed under the same name and length, unrelated
+        entries were summed in silence. One allreduce of the configuration's digest
+        (:func:`hvd_sparse.safety.same_by_sums`, which ``hvd.join()`` serves as it serves
+        the exchange itself); where it differs, the full comparison names the difference."""
+        import hashlib
+        import json
+
+        if not self.config.check_config:
+            return
+        text = json.dumps(self.describe(), sort_keys=True, default=str).encode()
+        same, _ = safety.same_by_sums(self.transport,
+                                      self.fingerprint + hashlib.sha256(text).digest(),
+                                      "hvd_sparse.agree.dense")
+        if not same:
+            safety.raise_config_mismatch(self.transport, text, other_optimizer=True)
 
     def agreed(self) -> bool:
         """Has the cross-rank agreement run for this world (so that every rank is known to

@@ -65,6 +65,11 @@ def scenario_verify(res):
 
 def scenario_mismatch(res):
     rank = hvd.rank()
+
+    def reordered(ps):  # the parameters listed in another order on rank 1
+        ps = list(ps)
+        return torch.optim.SGD(ps[::-1] if rank == 1 else ps, lr=0.1)
+
     cases = {
         "extra_layer": lambda: (model(extra=rank == 1), {}),
         "shape": lambda: (model(width=32 if rank == 0 else 33), {}),
@@ -73,6 +78,11 @@ def scenario_mismatch(res):
         "sparsifier": lambda: (model(), {"sparsifier": "topk" if rank == 0 else "randomk"}),
         "optimizer": lambda: (model(), {"base": None if rank == 0 else (
             lambda ps: torch.optim.AdamW(ps, lr=1e-3))}),
+        # every bucket dense (nothing replicated to agree on): a rank-dependent parameter
+        # order stalled Horovod (names differed) or, packed into one bucket of the same name
+        # and length, summed unrelated entries in silence
+        "dense_order": lambda: (model(), {"density": 1.0, "base": reordered}),
+        "packed_order": lambda: (model(), {"min_sparse_numel": 1024, "base": reordered}),
     }
     out = {}
     for name, build in cases.items():
