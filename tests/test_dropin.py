@@ -159,6 +159,14 @@ def test_sparse_embedding_with_nan_on_one_rank(dropin, scope):
         assert r[f"emb_{scope}_propagate_finite_flags"] == [False] * len(dropin)
 
 
+@pytest.mark.parametrize("case", ["adagrad_1.0", "adagrad_0.2", "sgd_0.2"])
+def test_a_sparse_gradient_missing_on_one_rank_comes_back_in_the_others_layout(dropin, case):
+    for r in dropin:
+        assert r[f"emb_unused_{case}_layouts_equal"], r[f"emb_unused_{case}_sparse"]
+        assert r[f"emb_unused_{case}_sparse"] == [True] * 6
+        assert r[f"emb_unused_{case}_equal"]
+
+
 def test_update_exchange_keeps_replicas_identical(dropin):
     for r in dropin:
         assert r["update_params_equal"] and r["update_moved"] > 1e-3

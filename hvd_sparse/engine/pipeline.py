@@ -93,6 +93,10 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
                 self.state[b.index].collective = \
                     "allgather" if self._exact_by_allgather(b) else "sharded"
         self.inflight: Dict[int, InFlight] = {}
+        # parameters whose gradient has come sparse on this rank (an embedding with
+        # sparse=True): a step where one has none (not used on this rank) hands it back sparse
+        # too, in the layout the other ranks hand theirs back in
+        self.sparse_gradients: set = set()
         self.steps = 0
         self.local_count = 0
         self.stats = CommunicationStats()
@@ -331,7 +335,8 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
     def gradient(self, b):
         """The bucket's gradient as one flat vector, read where it lies: a view of ``p.grad``
         for a single-parameter bucket, a reused buffer otherwise; zeros where a parameter has
-        no gradient (as Horovod does). Returns (flat, ids of sparse-gradient parameters)."""
+        no gradient (as Horovod does; handed back sparse where this rank has had it sparse).
+        Returns (flat, ids of sparse-gradient parameters)."""
         if len(b.params) == 1:  # the common case first: one whole, contiguous gradient
             g = b.params[0].grad
             if g is not None and g.layout == torch.strided and g.dtype.is_floating_point \
@@ -342,6 +347,8 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         for p, name, (lo, hi) in zip(b.params, b.names, b.slices):
             if p.grad is None:
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                if id(p) in self.sparse_gradients:
+                    sparse_ids.add(id(p))
             g = p.grad
             if not g.dtype.is_floating_point:
                 raise TypeError(f"parameter '{name}' has a gradient of dtype {g.dtype}; "
@@ -350,6 +357,7 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
                 # sent as the dense vector it stands for and handed back sparse (Horovod's
                 # sparse_as_dense), since selection needs the dense values
                 sparse_ids.add(id(p))
+                self.sparse_gradients.add(id(p))
                 g = g.to_dense()
             elif not g.is_contiguous():
                 p.grad = g = g.contiguous()
@@ -1002,7 +1010,7 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         if write == "delta":
             return self._write_delta(b, out)
         for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
-            if p.grad is not None and not p.grad.is_sparse \
+            if p.grad is not None and not p.grad.is_sparse and id(p) not in sparse_ids \
                     and out.data_ptr() == p.grad.data_ptr() \
                     and out.dtype == p.grad.dtype and out.numel() == p.grad.numel():
                 continue  # reduced in place on p.grad: already there

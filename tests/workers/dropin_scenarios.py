@@ -436,6 +436,38 @@ def scenario_sparse_embedding(res):
                 res[f"{key}_equal"] = same_everywhere(params(net))
 
 
+def scenario_sparse_embedding_unused_on_one_rank(res):
+    """A sparse embedding that one rank leaves out of some steps (a dynamic graph): its
+    gradient, missing there, came back dense on that rank and sparse on the others, and
+    Adagrad (sparse-aware) stepped the replicas apart; SparseAdam refused the dense one."""
+    for oname, density in (("adagrad", 1.0), ("adagrad", 0.2), ("sgd", 0.2)):
+        key = f"emb_unused_{oname}_{density}"
+        net = EmbedNet()
+        base = torch.optim.Adagrad(net.parameters(), lr=0.1) if oname == "adagrad" else \
+            torch.optim.SGD(net.parameters(), lr=0.1)
+        opt = hvd.DistributedOptimizer(base, named_parameters=net.named_parameters(),
+                                       density=density, min_sparse_numel=0, cost_model="off",
+                                       exchange="gradient")
+        layouts = []
+        for i in range(6):
+            g = torch.Generator().manual_seed(i * 7 + hvd.rank())
+            idx = torch.randint(0, 50, (4, 3), generator=g)
+            y = torch.randint(0, 4, (4,), generator=g)
+            opt.zero_grad()
+            if hvd.rank() == 1 and i % 2:  # the embedding left out on this rank
+                out = net.out(torch.zeros(4, 8))
+            else:
+                out = net(idx)
+            F.cross_entropy(out, y).backward()
+            opt.synchronize()
+            layouts.append(bool(net.emb.weight.grad.is_sparse))
+            with opt.skip_synchronize():
+                opt.step()
+        res[f"{key}_layouts_equal"] = same_everywhere(layouts)
+        res[f"{key}_sparse"] = layouts
+        res[f"{key}_equal"] = same_everywhere(params(net))
+
+
 def scenario_update_exchange(res):
     """exchange="update" with AdamW: replicas stay bitwise identical, optimizer state per rank."""
     m = model()
@@ -952,7 +984,8 @@ SCENARIOS = [scenario_update_exchange, scenario_step_hooks, scenario_gradient_ho
              scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
              scenario_update_nonfinite, scenario_bfloat16_broadcasts,
              scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
-             scenario_sparse_embedding, scenario_memory_layouts, scenario_bfloat16_dense_tensor,
+             scenario_sparse_embedding, scenario_sparse_embedding_unused_on_one_rank,
+             scenario_memory_layouts, scenario_bfloat16_dense_tensor,
              scenario_step_with_closure, scenario_checkpoint_loads_weights_only,
              scenario_collective_helpers, scenario_more_collectives, scenario_sync_batch_norm,
              scenario_two_optimizers_in_rank_order]
