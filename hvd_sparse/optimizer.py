@@ -100,6 +100,19 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 self._hs_hook_handles.append(acc.register_hook(self._hs_make_hook(p)))
 
     # ----------------------------------------------------------------- hooks
+    def _hs_other_wrapper_hint(self, p) -> str:
+        """Where another live DistributedOptimizer hooks ``p`` too (a model wrapped anew while
+        the old optimizer is still referenced, by a scheduler, say), its hooks count this
+        backward as well: said, since the count alone points at backward_passes_per_step."""
+        others = [o for o in list(_LIVE) if o is not self
+                  and p in getattr(o, "_requires_update", ())]
+        if not others:
+            return ""
+        return (" Another hvd_sparse DistributedOptimizer over the same parameters is still "
+                "alive and hooked to their gradients (a model wrapped anew while the old "
+                "optimizer is still referenced, e.g. by an LR scheduler): drop every "
+                "reference to the old one (del it) before wrapping again.")
+
     def _hs_make_hook(self, p):
         # the hook lives on p's AccumulateGrad node, which this optimizer holds and p only
         # references weakly; a strong reference to the optimizer from the hook would still
@@ -115,7 +128,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times before "
                     "call to step(). Increase backward_passes_per_step to accumulate gradients "
-                    "locally.")
+                    "locally." + self._hs_other_wrapper_hint(p))
             self._hs_touched = True
             self._allreduce_delay[p] -= 1
             if self._allreduce_delay[p] == 0 and not self._hs_engine.config.exchanges_updates:

@@ -1302,3 +1302,21 @@ def test_a_layer_frozen_under_exchanged_updates_stays_where_it_was(optimizer):
     m(torch.randn(8, 40, generator=g)).pow(2).mean().backward()
     opt.step()
     assert not all(torch.equal(p, q) for p, q in zip(m[2].parameters(), frozen))
+
+
+def test_a_model_wrapped_anew_while_the_old_optimizer_lives_says_so():
+    """Switching optimizers mid-run (Adam, then SGD) while an LR scheduler still holds the old
+    wrapper: its hooks count the next backward too, and the error named only
+    backward_passes_per_step (a peer's probe). Without the old one alive, it trains."""
+    m = _net()
+    old = _wrap(m, torch.optim.Adam(m.parameters(), lr=0.01))
+    sched = torch.optim.lr_scheduler.StepLR(old, 1)
+    _train(m, old, 2)
+    new = _wrap(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    with pytest.raises(AssertionError, match="backward_passes_per_step.*still alive.*del it"):
+        _train(m, new, 2)
+    del old, sched, new
+    import gc
+    gc.collect()
+    again = _wrap(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    _train(m, again, 2)
