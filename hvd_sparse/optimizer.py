@@ -487,11 +487,88 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 engine.exchange_deltas(hold=self._hs_frozen())
                 if engine.config.momentum_masking:
                     self._hs_mask_momentum(engine.take_sent())
+                self._hs_to_gradients_when_all_dense()
             finally:
                 self._hs_reset_round()
         if hooks is not None:  # after the exchange: they see the replicas' parameters
             hooks.post()
         return result
+
+    def _hs_to_gradients_when_all_dense(self):
+        """The library chose to exchange an adaptive optimizer's updates (``exchange="auto"``),
+        and the time cost model has just sent every bucket dense (a link fast enough that
+        compression does not pay): each rank's own step, averaged, is then no longer worth
+        having over Horovod's step on the averaged gradient, which trained better (per-rank
+        Adam moments see a P-th of the batch: a peer's probe measured a small MLP 4-5 points
+        behind Horovod on loopback). Collective, the same on every rank (the choices are
+        agreed): the residuals are released into the weights, the optimizer's state is
+        averaged over the ranks (then equal everywhere, as Horovod's is), and from the next
+        step gradients are exchanged, as ``exchange="gradient"`` does."""
+        engine = self._hs_engine
+        c = engine.config
+        if not (self._hs_exchange_auto and c.exchange == "update" and c.local_steps == 1
+                and not c.momentum_masking and engine.transport.size() > 1
+                and engine.goes_all_dense()):
+            return
+        engine.release_updates()
+        self._hs_average_state()
+        engine.config = dataclasses.replace(
+            c, exchange="gradient",
+            bidirectional=True if self._hs_bidirectional_auto else c.bidirectional)
+
+    def _hs_follow_saved_exchange(self, saved) -> None:
+        """A state saved after the switch of :meth:`_hs_to_gradients_when_all_dense` (or with
+        gradients exchanged) resumes exchanging gradients where the exchange was the
+        library's choice: the loaded optimizer state is then one for Horovod's step."""
+        c = self._hs_engine.config
+        if saved == "gradient" and self._hs_exchange_auto and c.exchange == "update" \
+                and c.local_steps == 1 and not c.momentum_masking:
+            self._hs_engine.config = dataclasses.replace(
+                c, exchange="gradient",
+                bidirectional=True if self._hs_bidirectional_auto else c.bidirectional)
+
+    def _hs_average_state(self):
+        """Collective: every floating-point tensor of the wrapped optimizer's state averaged
+        over the ranks, in one fixed order (where the ranks hold the same state; otherwise, a
+        parameter stepped on some ranks only, rank 0's state is taken whole)."""
+        from . import safety
+
+        engine = self._hs_engine
+        params = [p for b in engine.buckets for p in b.params]
+        tensors, layout = [], []
+        for i, p in enumerate(params):
+            st = self.state.get(p, {})
+            for key in sorted(st, key=str):
+                v = st[key]
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    tensors.append(v)
+                    layout.append(f"{i}:{key}:{tuple(v.shape)}:{v.dtype}")
+        same, _ = safety.same_by_sums(engine.transport, "|".join(layout).encode(),
+                                      "hvd_sparse.state.layout")
+        if not same:
+            import io
+
+            blob = b""
+            if engine.transport.rank() == 0:
+                buf = io.BytesIO()
+                torch.save(self._hs_base.state_dict(self), buf)
+                blob = buf.getvalue()
+            root = safety._gather_bytes(engine.transport, blob, "hvd_sparse.state.whole")[0]
+            if engine.transport.rank() != 0:  # (state only: the groups' dicts stay, which
+                # an LR scheduler may hold)
+                loaded = torch.load(io.BytesIO(root), weights_only=True)["state"]
+                order = [p for g in self.param_groups for p in g["params"]]
+                self.state.clear()
+                for i, st in loaded.items():
+                    p = order[int(i)]
+                    self.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor)
+                                     and v.dim() > 0 else v for k, v in st.items()}
+            return
+        with torch.no_grad():
+            for j, v in enumerate(tensors):
+                avg = engine.transport.wait(engine.transport.allreduce_async(
+                    v.detach().clone(), f"hvd_sparse.state.{j}", average=True))
+                v.copy_(avg.view_as(v))
 
     def _hs_mask_momentum(self, sent):
         """DGC's momentum factor masking, where weight updates are exchanged: this rank's
@@ -602,6 +679,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop(STATE_KEY, None)
         if extra is not None:  # refused before anything is loaded, not half way
+            self._hs_follow_saved_exchange(extra.get("exchange"))
             extra = self._hs_engine.checked_state(extra)
         self._hs_reset_round()
         self._synchronized = False

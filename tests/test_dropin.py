@@ -167,6 +167,14 @@ def test_a_sparse_gradient_missing_on_one_rank_comes_back_in_the_others_layout(d
         assert r[f"emb_unused_{case}_equal"]
 
 
+def test_adam_takes_horovods_step_once_every_bucket_goes_dense(dropin):
+    for r in dropin:
+        assert r["adam_dense_kinds"][0] == "update" and r["adam_dense_kinds"][-1] == "gradient"
+        assert r["adam_dense_state_equal"] and r["adam_dense_params_equal"]
+        assert r["adam_dense_horovods_step"] < 1e-6  # (averaged own steps: about 1e-3 apart)
+        assert r["adam_dense_then_equal"]
+
+
 def test_update_exchange_keeps_replicas_identical(dropin):
     for r in dropin:
         assert r["update_params_equal"] and r["update_moved"] > 1e-3

@@ -195,6 +195,35 @@ class UpdateExchange:
                 self.state[b.index].anchor[off:off + hi - lo].copy_(values)
                 write_flat(p, lo, hi, values)
 
+    def goes_all_dense(self) -> bool:
+        """Has the time cost model just sent every bucket dense (a fast link), so that each
+        step's exchange is a dense average of the ranks' own updates?"""
+        return self.config.cost_model == "time" and self.calibrated_at == self.steps \
+            and all(self.state[b.index].mode == "dense" for b in self.buckets if b.sparse)
+
+    def release_updates(self) -> None:
+        """Collective: what error feedback still holds of the exchanged updates goes into the
+        parameters now, averaged over the ranks (the downlink residual, the same everywhere,
+        as it is), and the anchors and residuals are dropped: the step that follows
+        exchanges gradients."""
+        with torch.no_grad():
+            for b in self.buckets:
+                st = self.state[b.index]
+                held = [r.buffer for r in (st.uplink, st.downlink) if r.buffer is not None]
+                if st.uplink.buffer is not None:
+                    mine = st.uplink.buffer.clone()
+                    held[0] = self.transport.wait(self.transport.allreduce_async(
+                        mine, f"hvd_sparse.release.{b.index}.{b.name}", average=True))
+                for flat in held:
+                    for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+                        seg = flat[off:off + hi - lo].to(p.dtype)
+                        write_flat(p, lo, hi, p.detach().reshape(-1)[lo:hi] + seg)
+                for r in (st.uplink, st.downlink):
+                    r.load(None)
+                st.spare = None
+                st.anchor = None
+        self.agreement_due = True
+
     def _anchored_values(self, params):
         """(bucket, parameter, offset, lo, hi, a copy of its anchor) for each of ``params``."""
         ids = {id(p) for p in params}

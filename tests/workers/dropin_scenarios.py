@@ -468,6 +468,52 @@ def scenario_sparse_embedding_unused_on_one_rank(res):
         res[f"{key}_equal"] = same_everywhere(params(net))
 
 
+def scenario_adam_all_dense_takes_horovods_step(res):
+    """exchange="auto" picks updates for Adam; when the time cost model then sends every
+    bucket dense (a fast link), each rank's own Adam step, averaged, trained worse than
+    Horovod's step on the averaged gradient (a peer's probe). From that calibration on,
+    gradients are exchanged, the Adam state averaged first so that it is the same everywhere.
+    The pricing is forced here (every dense exchange priced free), so the choice does not
+    depend on this machine's timings."""
+    from hvd_sparse import costmodel
+
+    real = costmodel.dense_time
+    costmodel.dense_time = lambda *a, **k: 0.0
+    try:
+        m = model()
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01),
+                                       named_parameters=m.named_parameters(), density=0.1,
+                                       min_sparse_numel=0, cost_model="time",
+                                       calibration_steps=2)
+        kinds = []
+        for i in range(5):
+            step(m, opt, i)
+            kinds.append(opt.communication_stats()["exchange"])
+        res["adam_dense_kinds"] = kinds
+        states = [t for p in m.parameters() for _, t in sorted(opt.state[p].items())
+                  if torch.is_tensor(t)]
+        res["adam_dense_state_equal"] = same_everywhere(states)
+        res["adam_dense_params_equal"] = same_everywhere(params(m))
+        # the next step is Adam on the averaged gradient, as under Horovod
+        twin = copy.deepcopy(m)
+        twin_opt = torch.optim.Adam(twin.parameters(), lr=0.01)
+        sd = copy.deepcopy(opt.state_dict())
+        sd.pop("hvd_sparse")
+        twin_opt.load_state_dict(sd)
+        step(m, opt, 5)
+        x, y = batch(5)
+        twin_opt.zero_grad()
+        F.cross_entropy(twin(x), y).backward()
+        for j, p in enumerate(twin.parameters()):
+            p.grad = hvd.allreduce(p.grad, name=f"twin.{j}")
+        twin_opt.step()
+        res["adam_dense_horovods_step"] = max(
+            float((a - b).abs().max()) for a, b in zip(m.parameters(), twin.parameters()))
+        res["adam_dense_then_equal"] = same_everywhere(params(m))
+    finally:
+        costmodel.dense_time = real
+
+
 def scenario_update_exchange(res):
     """exchange="update" with AdamW: replicas stay bitwise identical, optimizer state per rank."""
     m = model()
@@ -980,7 +1026,8 @@ def scenario_two_optimizers_in_rank_order(res):
             res[f"order_{name}_equal"] = same_everywhere(params(m))
 
 
-SCENARIOS = [scenario_update_exchange, scenario_step_hooks, scenario_gradient_hooks_after_wrapping,
+SCENARIOS = [scenario_update_exchange, scenario_adam_all_dense_takes_horovods_step,
+             scenario_step_hooks, scenario_gradient_hooks_after_wrapping,
              scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
              scenario_update_nonfinite, scenario_bfloat16_broadcasts,
              scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
