@@ -59,9 +59,31 @@ def init(comm=None):
     from mpi4py import MPI
 
     _comm = comm if comm is not None else MPI.COMM_WORLD
+    if comm is None:
+        _check_launcher(_comm.Get_size())
     _layout.clear()
     _layout.update(_topology(_comm))
     mpi_guard.abort_on_uncaught(_comm)
+
+
+#: what other launchers tell their processes about the job's size
+_LAUNCHER_SIZES = (("HOROVOD_SIZE", "horovodrun --gloo"), ("WORLD_SIZE", "torchrun"))
+
+
+def _check_launcher(world: int) -> None:
+    """A job started by another launcher (``horovodrun --gloo``, ``torchrun``) gives each
+    process an MPI world of its own: every rank would train alone, with no error. Refused
+    with the way out."""
+    if world != 1:
+        return
+    for var, launcher in _LAUNCHER_SIZES:
+        launched = os.environ.get(var, "")
+        if launched.isdigit() and int(launched) > 1:
+            raise ValueError(
+                f"hvd_sparse.mpi sees an MPI world of one process, but {var}={launched}: this "
+                f"job was started by {launcher}, whose processes mpi4py cannot see. Start it "
+                "with mpirun -np N, or keep the launcher and use `import hvd_sparse as hvd` "
+                "(Horovod) or hvd_sparse.torchdist (torchrun).")
 
 
 def _c():
@@ -131,8 +153,8 @@ def barrier(process_set=None):
     _c().Barrier()
 
 
-def _check_root(root_rank) -> None:
-    check_root(root_rank, _c().Get_size())
+def _check_root(root_rank) -> int:
+    return check_root(root_rank, _c().Get_size())
 
 
 #: the most bytes one ``Bcast`` moves: MPI counts are C ints (2**31 - 1), and a 512M-entry
@@ -153,7 +175,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     import numpy as np
 
     _global_only(process_set)
-    _check_root(root_rank)
+    root_rank = _check_root(root_rank)
     comm = _c()
     agree(comm, "broadcast_object", root=root_rank)
     data = pickle.dumps(obj) \
@@ -165,11 +187,12 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     return obj if comm.Get_rank() == root_rank else pickle.loads(buf.tobytes())
 
 
-def allgather_object(obj, name=None):
+def allgather_object(obj, name=None, process_set=None):
     """Every rank's picklable object, in rank order; each broadcast from its rank as bytes in
     chunks (one mpi4py ``allgather`` fails past 2 GiB)."""
     import numpy as np
 
+    _global_only(process_set)
     comm = _c()
     agree(comm, "allgather_object")
     mine = pickle.dumps(obj)
@@ -207,7 +230,11 @@ class ProcessSet:
             raise ValueError("hvd_sparse.mpi has the global process set only (pass "
                              "init(comm=...) a sub-communicator instead)")
         self.process_set_id = 0
-        self.ranks = None
+
+    @property
+    def ranks(self) -> list:
+        """Every rank of the job, as Horovod's global process set lists them."""
+        return list(range(size()))
 
     def size(self) -> int:
         return size()
@@ -299,7 +326,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 
 def _broadcast_into(tensor, root_rank, check=True):
-    _check_root(root_rank)
+    root_rank = _check_root(root_rank)
     if check:
         agree(_c(), "broadcast", **describe(tensor, root=root_rank))
     host = tensor.detach().cpu().contiguous().clone()
@@ -332,7 +359,7 @@ class _Broadcast(torch.autograd.Function):
 def broadcast(tensor, root_rank=0, name=None, process_set=None):
     """A new tensor holding rank ``root_rank``'s ``tensor`` (differentiable, as Horovod's)."""
     _global_only(process_set)
-    return _Broadcast.apply(tensor, root_rank)
+    return _Broadcast.apply(tensor, _check_root(root_rank))
 
 
 class _Allgather(torch.autograd.Function):
@@ -365,7 +392,7 @@ def broadcast_parameters(params, root_rank=0):
     """Copy rank ``root_rank``'s parameters to every rank, as Horovod's: a dict (a state_dict,
     taken in sorted key order) or a list of tensors or of (name, tensor) pairs, in its order
     (any other iterable, e.g. ``named_parameters()``, is taken as such a list)."""
-    _check_root(root_rank)
+    root_rank = _check_root(root_rank)
     if isinstance(params, dict):
         items = sorted(params.items())
     else:
@@ -390,5 +417,6 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None):
 def DistributedOptimizer(optimizer, named_parameters=None, *args, **kwargs):
     """:func:`hvd_sparse.DistributedOptimizer` over mpi4py (see its documentation; Horovod's
     arguments may come by position, as there)."""
+    _global_only(kwargs.pop("process_set", None))  # (the global one is this transport's)
     kwargs.setdefault("transport", MPITransport(_c()))
     return _DistributedOptimizer(optimizer, named_parameters, *args, **kwargs)

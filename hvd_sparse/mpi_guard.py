@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import operator
 import os
 import sys
 
@@ -48,12 +49,17 @@ def abort_on_uncaught(comm) -> None:
     _installed.append(hook)
 
 
-def check_root(root_rank, size: int) -> None:
-    """A root outside the job is a ``ValueError``, on every rank alike (as under Horovod; MPI
-    would fail with ``MPI_ERR_ROOT``, torch.distributed in its own way)."""
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) \
-            or not 0 <= root_rank < size:
+def check_root(root_rank, size: int) -> int:
+    """``root_rank`` as a Python int; a root outside the job is a ``ValueError``, on every
+    rank alike (as under Horovod; MPI would fail with ``MPI_ERR_ROOT``, torch.distributed in
+    its own way)."""
+    try:  # any integer Horovod takes: numpy's (np.argmax), a 0-d integer tensor
+        index = None if isinstance(root_rank, bool) else operator.index(root_rank)
+    except TypeError:
+        index = None
+    if index is None or not 0 <= index < size:
         raise ValueError(f"root_rank {root_rank!r} is not a rank of this job (size {size})")
+    return index
 
 
 def describe(tensor, **more) -> dict:

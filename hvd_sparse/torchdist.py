@@ -14,14 +14,20 @@ matches collectives by call order: every rank must call them in the same order.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+
+try:  # Horovod's choice for objects: lambdas and local classes travel
+    import cloudpickle as pickle
+except ImportError:  # pragma: no cover - depends on the installation
+    import pickle
 
 import torch
 import torch.distributed as dist
 
 from .compat import Average, Compression, Sum  # noqa: F401 - Horovod's names, Compression too
 from .mpi_collectives import Max, Min, Product  # noqa: F401 - Horovod's values
-from .mpi_guard import check_root
+from .mpi_guard import HorovodInternalError, check_root
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
 from .state_broadcast import broadcast_state_as_object
 from .torch_transport import TorchDistributedTransport
@@ -91,8 +97,8 @@ def _device():
     return torch.device("cpu")
 
 
-def _check_root(root_rank) -> None:
-    check_root(root_rank, size())
+def _check_root(root_rank) -> int:
+    return check_root(root_rank, size())
 
 
 def barrier(process_set=None):
@@ -103,21 +109,70 @@ def barrier(process_set=None):
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
-    """``obj`` as rank ``root_rank`` has it, on every rank (pickled)."""
+    """``obj`` as rank ``root_rank`` has it, on every rank (cloudpickled where it is installed,
+    as Horovod's; an object the root cannot pickle raises on every rank, not on the root
+    alone while the others wait)."""
     _group()
     _global_only(process_set)
-    _check_root(root_rank)
-    box = [obj if rank() == root_rank else None]
-    dist.broadcast_object_list(box, src=root_rank, device=_device())
-    return box[0]
+    root_rank = _check_root(root_rank)
+    blob = b""
+    if rank() == root_rank:
+        try:
+            blob = b"o" + pickle.dumps(obj)
+        except Exception as e:  # noqa: BLE001 - said on every rank
+            blob = b"e" + f"{type(e).__name__}: {e}".encode()
+    got = _blobs(blob)[root_rank]
+    if got[:1] == b"e":
+        raise TypeError(f"broadcast_object: rank {root_rank} could not pickle the object "
+                        f"({got[1:].decode(errors='replace')})")
+    return obj if rank() == root_rank else pickle.loads(got[1:])
 
 
-def allgather_object(obj, name=None) -> list:
-    """Every rank's ``obj``, in rank order."""
+def allgather_object(obj, name=None, process_set=None) -> list:
+    """Every rank's ``obj``, in rank order (cloudpickled where it is installed)."""
     _group()
-    out = [None] * size()
-    dist.all_gather_object(out, obj)
+    _global_only(process_set)
+    return [pickle.loads(b) for b in _blobs(pickle.dumps(obj))]
+
+
+def _blobs(mine: bytes) -> list:
+    """Every rank's bytes, in rank order: their lengths, then one byte all-gather."""
+    where = _device()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=where) for _ in range(size())]
+    dist.all_gather(sizes, torch.tensor([len(mine)], dtype=torch.int64, device=where))
+    sizes = [int(t.item()) for t in sizes]
+    if not any(sizes):
+        return [b""] * len(sizes)
+    flat = _gather(torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine
+                   else torch.empty(0, dtype=torch.uint8)).cpu().numpy().tobytes()
+    out, at = [], 0
+    for n in sizes:
+        out.append(flat[at:at + n])
+        at += n
     return out
+
+
+def _agree(what: str, **fields) -> None:
+    """Horovod's check that every rank starts the same collective with the same dtype, shape
+    and op: a digest of this rank's description through one small all-gather, and where they
+    differ the descriptions themselves, so that every rank raises
+    :class:`HorovodInternalError` naming them (torch.distributed moves bytes: another shape
+    returned garbage or hung, another dtype was reinterpreted)."""
+    if size() == 1:
+        return
+    mine = repr((what, sorted(fields.items()))).encode()
+    digest = torch.frombuffer(bytearray(hashlib.sha256(mine).digest()), dtype=torch.uint8)
+    where = _device()
+    everyone = [torch.empty(32, dtype=torch.uint8, device=where) for _ in range(size())]
+    dist.all_gather(everyone, digest.to(where))
+    if all(bool(torch.equal(e.cpu(), digest)) for e in everyone):
+        return
+    texts = [b.decode(errors="replace") for b in _blobs(mine)]
+    raise HorovodInternalError(
+        f"Mismatched {what}: ranks started it differently - "
+        + "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
+        + " (every rank must pass tensors of the same dtype and shape, the same op and root, "
+          "in the same order)")
 
 
 class _Allreduce(torch.autograd.Function):
@@ -169,11 +224,16 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
     the tensor is compressed, reduced in the narrow type and decompressed."""
     _group()
     _global_only(process_set)
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of "
+                         "them.")
     if op is None:
         op = Sum if average is False else Average
     if op not in (Average, Sum, Min, Max, Product):
         raise ValueError(f"op={op!r}: hvd_sparse.torchdist reduces with Average, Sum, Min, "
                          "Max or Product")
+    _agree("allreduce", dtype=str(tensor.dtype), shape=tuple(tensor.shape), op=str(op),
+           prescale=float(prescale_factor), postscale=float(postscale_factor))
     packed, ctx = (compression or Compression.none).compress(tensor)
     if packed.requires_grad and op in (Average, Sum) and torch.is_grad_enabled():
         out = _Allreduce.apply(packed, op, prescale_factor, postscale_factor)
@@ -193,8 +253,8 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 
 class _Allgather(torch.autograd.Function):
-    """Differentiable as Horovod's: each rank's gradient is the sum over ranks of the
-    gradient's rows that came from it."""
+    """Differentiable as Horovod's: each rank's gradient is the average over ranks of the
+    gradient's rows that came from it (Horovod's ``HorovodAllgather.backward``)."""
 
     @staticmethod
     def forward(ctx, tensor):
@@ -203,7 +263,7 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        summed = _reduce(grad.contiguous(), Sum, 1.0, 1.0)
+        summed = _reduce(grad.contiguous(), Average, 1.0, 1.0)
         lo = sum(ctx.rows[:rank()])
         return summed[lo:lo + ctx.rows[rank()]]
 
@@ -222,6 +282,8 @@ def allgather(tensor, name=None, process_set=None):
     rank order (first dimensions may differ; the others must not); differentiable."""
     _group()
     _global_only(process_set)
+    _agree("allgather", dtype=str(tensor.dtype), dims=tensor.dim(),
+           trailing_shape=tuple(tensor.shape[1:]))
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Allgather.apply(tensor)
     return _gather(tensor)
@@ -231,7 +293,8 @@ def broadcast_(tensor, root_rank=0, name=None, process_set=None):
     """In place: ``tensor`` takes rank ``root_rank``'s values."""
     _group()
     _global_only(process_set)
-    _check_root(root_rank)
+    root_rank = _check_root(root_rank)
+    _agree("broadcast", dtype=str(tensor.dtype), shape=tuple(tensor.shape), root=root_rank)
     with torch.no_grad():
         work = tensor.detach().to(_device()).contiguous()  # the tensor itself where it can be
         dist.broadcast(work, src=root_rank)
@@ -240,8 +303,27 @@ def broadcast_(tensor, root_rank=0, name=None, process_set=None):
     return tensor
 
 
+class _Broadcast(torch.autograd.Function):
+    """Horovod's gradient: averaged over ranks, kept by the root alone."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank):
+        ctx.root_rank = root_rank
+        return broadcast_(tensor.detach().clone(), root_rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = _reduce(grad.contiguous(), Average, 1.0, 1.0)
+        return (reduced if rank() == ctx.root_rank else reduced * 0), None
+
+
 def broadcast(tensor, root_rank=0, name=None, process_set=None):
-    """A new tensor with rank ``root_rank``'s values."""
+    """A new tensor with rank ``root_rank``'s values (differentiable, as Horovod's)."""
+    _group()
+    _global_only(process_set)
+    root_rank = _check_root(root_rank)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _Broadcast.apply(tensor, root_rank)
     return broadcast_(tensor.detach().clone(), root_rank, name, process_set)
 
 
@@ -255,7 +337,7 @@ def broadcast_parameters(params, root_rank=0):
     """Copy rank ``root_rank``'s tensors to every rank, in place: a dict (a state_dict, taken
     in sorted key order) or a list of tensors or of (name, tensor) pairs, in its order."""
     _group()
-    _check_root(root_rank)
+    root_rank = _check_root(root_rank)
     if isinstance(params, dict):
         items = sorted(params.items())
     else:

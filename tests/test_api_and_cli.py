@@ -510,3 +510,35 @@ def test_library_scope_auto_is_global_for_topk_below_one_percent():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         wrapped(scope="tensor").load_state_dict(before.state_dict())
+
+
+def test_mpi_front_end_refuses_another_launcher_and_takes_horovods_arguments(mpi4py_available):
+    """A peer's probe of ``hvd_sparse.mpi``: started by horovodrun --gloo or torchrun, each
+    process saw an MPI world of one and trained alone, silently; a numpy root (np.argmax) was
+    refused as "not a rank"; process_set=global_process_set in DistributedOptimizer failed
+    with a message about transport=; global_process_set.ranks was None."""
+    import subprocess
+    import sys as _sys
+
+    from conftest import ROOT, _env
+
+    script = (
+        "import numpy as np, torch\n"
+        "import hvd_sparse.mpi as hvd\n"
+        "hvd.init()\n"
+        "assert hvd.global_process_set.ranks == [0]\n"
+        "assert hvd.broadcast_object('x', root_rank=np.int64(0)) == 'x'\n"
+        "assert hvd.broadcast(torch.ones(2), root_rank=torch.tensor(0)).tolist() == [1.0, 1.0]\n"
+        "m = torch.nn.Linear(4, 2)\n"
+        "opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),\n"
+        "    named_parameters=m.named_parameters(), process_set=hvd.global_process_set)\n"
+        "print('ok')\n")
+    run = subprocess.run([_sys.executable, "-c", script], env=_env(), capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
+    for var, launcher in (("HOROVOD_SIZE", "horovodrun"), ("WORLD_SIZE", "torchrun")):
+        env = dict(_env(), **{var: "2"})
+        run = subprocess.run([_sys.executable, "-c", "import hvd_sparse.mpi as hvd; hvd.init()"],
+                             env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert run.returncode != 0 and launcher in run.stderr and "mpirun" in run.stderr, \
+            run.stderr[-2000:]

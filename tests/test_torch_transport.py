@@ -127,8 +127,15 @@ def test_torchdist_gives_horovods_helpers_under_torchrun(tmp_path):
         assert r["min_max_product"] == [[1, -4], [2, -1], [2, 4]]
         assert r["allreduce_grad"] == [3.0, 3.0]  # weights 1 and 2, summed back
         assert r["allgather"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
-        assert r["allgather_grad"] == [[3.0, 3.0]] * (r["rank"] + 1)
+        # Horovod's allgather gradient is the average over ranks (weights 1 and 2)
+        assert r["allgather_grad"] == [[1.5, 1.5]] * (r["rank"] + 1)
         assert r["broadcast_"] == [1.0] * 3 and r["broadcast"] == [0]
+        assert r["broadcast_grad"] == ([1.5, 1.5] if r["rank"] == 1 else [0.0, 0.0])
+        assert r["numpy_root"] == 1
+        assert r["lambda"] == 1 and r["local_class"] == [7, 7]
+        assert all(v is not None and "Mismatched" in v for v in r["mismatched"].values()), \
+            r["mismatched"]
+        assert r["op_and_average"] == "ValueError"
 
 
 @pytest.mark.multirank

@@ -6,6 +6,7 @@ import os
 import sys
 import traceback
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -79,6 +80,35 @@ def main(outdir):
         hvd.broadcast_(b, root_rank=1)
         res["broadcast_"] = b.tolist()
         res["broadcast"] = hvd.broadcast(torch.tensor([rank]), root_rank=0).tolist()
+        # a peer's probe of the front end against Horovod's answers:
+        y = torch.full((2,), float(rank + 1), requires_grad=True)
+        (hvd.broadcast(y, root_rank=1) * (rank + 1)).sum().backward()
+        res["broadcast_grad"] = y.grad.tolist()  # averaged, kept by the root
+        res["numpy_root"] = hvd.broadcast_object(rank, root_rank=np.int64(1))
+
+        class Local:  # a local class and a lambda travel (cloudpickle, as Horovod's)
+            v = 7
+        res["lambda"] = hvd.broadcast_object(lambda q: q + rank, root_rank=0)(1)
+        res["local_class"] = [o.v for o in hvd.allgather_object(Local())]
+        mismatched = {}
+        for case, t in (("shape", torch.zeros(3 + rank)), ("dtype", torch.zeros(
+                3, dtype=torch.float32 if rank == 0 else torch.float64))):
+            try:
+                hvd.allreduce(t)
+                mismatched[case] = None
+            except hvd.HorovodInternalError as e:
+                mismatched[case] = str(e)[:60]
+        try:
+            hvd.allgather(torch.zeros(2, 3) if rank == 0 else torch.zeros(3, 2))
+            mismatched["allgather"] = None
+        except hvd.HorovodInternalError as e:
+            mismatched["allgather"] = str(e)[:60]
+        res["mismatched"] = mismatched
+        try:
+            hvd.allreduce(t, average=True, op=hvd.Sum)
+            res["op_and_average"] = None
+        except ValueError as e:
+            res["op_and_average"] = type(e).__name__
     except Exception:  # noqa: BLE001 - reported to the test
         res["error"] = traceback.format_exc()
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
