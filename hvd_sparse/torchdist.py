@@ -368,3 +368,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, *args, **kwargs):
     _group()
     kwargs.setdefault("transport", TorchDistributedTransport())
     return _DistributedOptimizer(optimizer, named_parameters, *args, **kwargs)
+
+
+#: Horovod's names a script may reach for that this front end does not offer, and where they are
+_ELSEWHERE = {"elastic": "Horovod's elastic training needs Horovod's driver (horovodrun with "
+                         "--host-discovery-script): use `import hvd_sparse as hvd` over Horovod, "
+                         "whose hvd.elastic works with hvd_sparse's optimizer"}
+
+
+def __getattr__(name):
+    if name in _ELSEWHERE:
+        raise AttributeError(f"hvd_sparse.torchdist has no {name!r}: {_ELSEWHERE[name]}")
+    raise AttributeError(f"module 'hvd_sparse.torchdist' has no attribute {name!r}")

@@ -516,7 +516,8 @@ def test_mpi_front_end_refuses_another_launcher_and_takes_horovods_arguments(mpi
     """A peer's probe of ``hvd_sparse.mpi``: started by horovodrun --gloo or torchrun, each
     process saw an MPI world of one and trained alone, silently; a numpy root (np.argmax) was
     refused as "not a rank"; process_set=global_process_set in DistributedOptimizer failed
-    with a message about transport=; global_process_set.ranks was None."""
+    with a message about transport=; global_process_set.ranks was None; local_rank()
+    answered before init(); hvd.elastic was a bare AttributeError."""
     import subprocess
     import sys as _sys
 
@@ -532,6 +533,18 @@ def test_mpi_front_end_refuses_another_launcher_and_takes_horovods_arguments(mpi
         "m = torch.nn.Linear(4, 2)\n"
         "opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),\n"
         "    named_parameters=m.named_parameters(), process_set=hvd.global_process_set)\n"
+        "assert hvd.local_rank() == 0\n"
+        "try:\n"
+        "    hvd.elastic\n"
+        "    raise SystemExit('elastic?')\n"
+        "except AttributeError as e:\n"
+        "    assert 'import hvd_sparse as hvd' in str(e)\n"
+        "hvd.shutdown()\n"
+        "try:\n"
+        "    hvd.local_rank()\n"
+        "    raise SystemExit('local_rank before init answered')\n"
+        "except ValueError:\n"
+        "    pass\n"
         "print('ok')\n")
     run = subprocess.run([_sys.executable, "-c", script], env=_env(), capture_output=True,
                          text=True, timeout=120, cwd=ROOT)

@@ -1320,3 +1320,31 @@ def test_a_model_wrapped_anew_while_the_old_optimizer_lives_says_so():
     gc.collect()
     again = _wrap(m, torch.optim.SGD(m.parameters(), lr=0.1))
     _train(m, again, 2)
+
+
+def test_a_hand_written_adaptive_optimizer_is_told_how_to_exchange_its_updates():
+    """exchange="auto" knows torch's adaptive classes only; a hand-written Adam (or Lion,
+    LAMB) got gradients silently and trained 3 points behind dense in a peer's probe (1 with
+    exchange="update"). Now a warning names the choice; torch's SGD and Adam subclasses get
+    none."""
+    import warnings
+
+    class MyAdam(torch.optim.Optimizer):
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
+            super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+        def step(self, closure=None):
+            return None
+
+    class Subclassed(torch.optim.Adam):
+        pass
+
+    m = _net()
+    with pytest.warns(UserWarning, match='exchange="update"'):
+        _wrap(m, MyAdam(m.parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _wrap(m, MyAdam(m.parameters()), exchange="gradient")
+        _wrap(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+        opt = _wrap(m, Subclassed(m.parameters()))
+        assert opt.communication_stats()["exchange"] == "update"
