@@ -41,7 +41,7 @@ from .mpi_collectives import (  # noqa: F401 - Horovod's names
     rocm_built, start_timeline, stop_timeline, synchronize)
 from . import mpi_collectives
 from .mpi_guard import HorovodInternalError  # noqa: F401 - Horovod's name
-from .mpi_guard import agree, check_root, describe
+from .mpi_guard import agree, check_root, describe, missing_name
 from . import mpi_guard
 from .sync_batch_norm import SyncBatchNorm  # noqa: F401 - Horovod's name
 
@@ -427,13 +427,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, *args, **kwargs):
     return _DistributedOptimizer(optimizer, named_parameters, *args, **kwargs)
 
 
-#: Horovod's names a script may reach for that this front end does not offer, and where they are
-_ELSEWHERE = {"elastic": "Horovod's elastic training needs Horovod's driver (horovodrun with "
-                         "--host-discovery-script): use `import hvd_sparse as hvd` over Horovod, "
-                         "whose hvd.elastic works with hvd_sparse's optimizer"}
-
-
 def __getattr__(name):
-    if name in _ELSEWHERE:
-        raise AttributeError(f"hvd_sparse.mpi has no {name!r}: {_ELSEWHERE[name]}")
-    raise AttributeError(f"module 'hvd_sparse.mpi' has no attribute {name!r}")
+    return missing_name(__name__, name)

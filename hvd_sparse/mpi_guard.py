@@ -91,3 +91,16 @@ def agree(comm, what: str, **fields) -> None:
                 f"Mismatched {key.replace('_', ' ')} in {what}: " + ", ".join(
                     f"rank {r}: {v}" for r, v in enumerate(values)))
     raise HorovodInternalError(f"Mismatched arguments in {what}")  # pragma: no cover
+
+
+#: Horovod's names a script may reach for that the Horovod-free front ends do not offer
+ELSEWHERE = {"elastic": "Horovod's elastic training needs Horovod's driver (horovodrun with "
+                        "--host-discovery-script): use `import hvd_sparse as hvd` over Horovod, "
+                        "whose hvd.elastic works with hvd_sparse's optimizer"}
+
+
+def missing_name(module: str, name: str):
+    """A front end's module ``__getattr__``: where a missing Horovod name is, if anywhere."""
+    if name in ELSEWHERE:
+        raise AttributeError(f"{module} has no {name!r}: {ELSEWHERE[name]}")
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")

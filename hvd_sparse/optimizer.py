@@ -192,9 +192,15 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     def _hs_fill_missing_grads(self):
         """Zero gradients for parameters without one, as Horovod's ``synchronize`` makes them
         (another rank may have computed it; weight decay still applies)."""
+        seen_sparse = self._hs_engine.sparse_gradients
         for p in self._requires_update:
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
+                # sparse where this rank has had it sparse (an embedding left out of this
+                # step): SparseAdam refused the dense zeros
+                p.grad = torch.zeros_like(p).to_sparse() if id(p) in seen_sparse \
+                    else torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                seen_sparse.add(id(p))
 
     def _hs_zero_frozen_grads(self):
         """A parameter frozen after wrapping (``requires_grad_(False)``) still takes part in
@@ -510,11 +516,13 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 and not c.momentum_masking and engine.transport.size() > 1
                 and engine.goes_all_dense()):
             return
-        engine.release_updates()
+        engine.release_updates(hold=self._hs_frozen())
         self._hs_average_state()
         engine.config = dataclasses.replace(
             c, exchange="gradient",
             bidirectional=True if self._hs_bidirectional_auto else c.bidirectional)
+        engine.dense_only = True  # later calibrations keep Horovod's step (never sparse
+        # gradients for an adaptive optimizer)
 
     def _hs_follow_saved_exchange(self, saved) -> None:
         """A state saved after the switch of :meth:`_hs_to_gradients_when_all_dense` (or with
@@ -526,6 +534,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self._hs_engine.config = dataclasses.replace(
                 c, exchange="gradient",
                 bidirectional=True if self._hs_bidirectional_auto else c.bidirectional)
+            self._hs_engine.dense_only = True
 
     def _hs_average_state(self):
         """Collective: every floating-point tensor of the wrapped optimizer's state averaged
@@ -679,7 +688,6 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop(STATE_KEY, None)
         if extra is not None:  # refused before anything is loaded, not half way
-            self._hs_follow_saved_exchange(extra.get("exchange"))
             extra = self._hs_engine.checked_state(extra)
         self._hs_reset_round()
         self._synchronized = False
@@ -697,6 +705,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 old.update(new)
                 self.param_groups[i] = old
         if extra is not None:
+            self._hs_follow_saved_exchange(extra.get("exchange"))
             self._hs_engine.load_state_dict(extra)
 
 
@@ -991,6 +1000,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     _rebind_instance_step(wrapped, optimizer)
     engine = Engine(config, plan, transport)
     engine.wrapped_optimizer = base.__name__  # compared across ranks, named first when it differs
+    engine.known_names = {n for n, _ in named}  # frozen parameters' too (checkpoint matching)
     wrapped._hs_init(named, engine, exchange_auto=exchange_auto,
                      bidirectional_auto=bidirectional_auto,
                      process_set=process_set)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .compat import Average, Compression, Sum  # noqa: F401 - Horovod's names, Compression too
 from .mpi_collectives import Max, Min, Product  # noqa: F401 - Horovod's values
-from .mpi_guard import HorovodInternalError, check_root
+from .mpi_guard import HorovodInternalError, check_root, missing_name
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
 from .state_broadcast import broadcast_state_as_object
 from .torch_transport import TorchDistributedTransport
@@ -115,13 +115,14 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     _group()
     _global_only(process_set)
     root_rank = _check_root(root_rank)
-    blob = b""
+    box = [b""]
     if rank() == root_rank:
         try:
-            blob = b"o" + pickle.dumps(obj)
+            box[0] = b"o" + pickle.dumps(obj)
         except Exception as e:  # noqa: BLE001 - said on every rank
-            blob = b"e" + f"{type(e).__name__}: {e}".encode()
-    got = _blobs(blob)[root_rank]
+            box[0] = b"e" + f"{type(e).__name__}: {e}".encode()
+    dist.broadcast_object_list(box, src=root_rank, device=_device())  # (bytes: plain pickle)
+    got = box[0]
     if got[:1] == b"e":
         raise TypeError(f"broadcast_object: rank {root_rank} could not pickle the object "
                         f"({got[1:].decode(errors='replace')})")
@@ -132,24 +133,9 @@ def allgather_object(obj, name=None, process_set=None) -> list:
     """Every rank's ``obj``, in rank order (cloudpickled where it is installed)."""
     _group()
     _global_only(process_set)
-    return [pickle.loads(b) for b in _blobs(pickle.dumps(obj))]
-
-
-def _blobs(mine: bytes) -> list:
-    """Every rank's bytes, in rank order: their lengths, then one byte all-gather."""
-    where = _device()
-    sizes = [torch.zeros(1, dtype=torch.int64, device=where) for _ in range(size())]
-    dist.all_gather(sizes, torch.tensor([len(mine)], dtype=torch.int64, device=where))
-    sizes = [int(t.item()) for t in sizes]
-    if not any(sizes):
-        return [b""] * len(sizes)
-    flat = _gather(torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine
-                   else torch.empty(0, dtype=torch.uint8)).cpu().numpy().tobytes()
-    out, at = [], 0
-    for n in sizes:
-        out.append(flat[at:at + n])
-        at += n
-    return out
+    out = [None] * size()
+    dist.all_gather_object(out, pickle.dumps(obj))  # (bytes: plain pickle carries them)
+    return [pickle.loads(b) for b in out]
 
 
 def _agree(what: str, **fields) -> None:
@@ -167,7 +153,8 @@ def _agree(what: str, **fields) -> None:
     dist.all_gather(everyone, digest.to(where))
     if all(bool(torch.equal(e.cpu(), digest)) for e in everyone):
         return
-    texts = [b.decode(errors="replace") for b in _blobs(mine)]
+    texts = [None] * size()
+    dist.all_gather_object(texts, mine.decode(errors="replace"))
     raise HorovodInternalError(
         f"Mismatched {what}: ranks started it differently - "
         + "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
@@ -370,13 +357,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, *args, **kwargs):
     return _DistributedOptimizer(optimizer, named_parameters, *args, **kwargs)
 
 
-#: Horovod's names a script may reach for that this front end does not offer, and where they are
-_ELSEWHERE = {"elastic": "Horovod's elastic training needs Horovod's driver (horovodrun with "
-                         "--host-discovery-script): use `import hvd_sparse as hvd` over Horovod, "
-                         "whose hvd.elastic works with hvd_sparse's optimizer"}
-
-
 def __getattr__(name):
-    if name in _ELSEWHERE:
-        raise AttributeError(f"hvd_sparse.torchdist has no {name!r}: {_ELSEWHERE[name]}")
-    raise AttributeError(f"module 'hvd_sparse.torchdist' has no attribute {name!r}")
+    return missing_name(__name__, name)

@@ -173,6 +173,14 @@ def test_adam_takes_horovods_step_once_every_bucket_goes_dense(dropin):
         assert r["adam_dense_state_equal"] and r["adam_dense_params_equal"]
         assert r["adam_dense_horovods_step"] < 1e-6  # (averaged own steps: about 1e-3 apart)
         assert r["adam_dense_then_equal"]
+        assert r["adam_dense_frozen_kept"]
+        assert r["adam_dense_after_recalibration"] == ["gradient", ["dense"]]
+
+
+def test_sparseadam_steps_a_rank_that_left_its_embedding_out(dropin):
+    for r in dropin:
+        assert r["emb_unused_sparseadam_errors"] == []
+        assert r["emb_unused_sparseadam_equal"]
 
 
 def test_update_exchange_keeps_replicas_identical(dropin):

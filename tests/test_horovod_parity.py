@@ -89,6 +89,9 @@ def test_join_is_refused_clearly_with_sparse_buckets_and_works_dense(parity):
         theirs = r["join"]["uneven-small-horovod-wide"]
         assert "returned" in ours, ours  # density 1: Horovod's allreduce, Horovod's join
         assert ours["params"] == theirs["params"]
+        for kind in ("", "-wide"):  # the next epoch, every rank stepping, as Horovod's
+            ours = r["join"][f"uneven-small-hvd_sparse{kind}"]
+            assert ours["then"] == r["join"][f"uneven-small-horovod{kind}"]["then"]
         # after the join every rank counts rank 0's three steps (a verify_every collective
         # keyed on the counter hung the ranks that had joined early)
         for key in ("uneven-small-hvd_sparse", "uneven-small-hvd_sparse-wide",

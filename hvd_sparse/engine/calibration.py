@@ -236,7 +236,7 @@ class LinkPricing:
                                      and not self._exact_by_allgather(b) else "allgather")
             t_sparse = t_sharded if self.collective(b) == "sharded" else t_gather
             t_dense = costmodel.dense_time(b.nbytes, size, self.link, by, fused)
-            st.mode = "dense" if t_dense < t_sparse else "sparse"
+            st.mode = "dense" if t_dense < t_sparse or self.dense_only else "sparse"
             if recode and st.mode == "sparse":  # measured anew under its new code (a bucket
                 # gone dense keeps what it was seen doing, for a later recalibration)
                 for seen in (self._measured, self._wire):

@@ -146,7 +146,8 @@ class Checkpointing:
         order = [b for b in self.buckets if b.sparse]
         mine = {b.name: b for b in order}
         extra = _compiled_names_matched(extra, set(mine), [b.name for b in self.buckets])
-        extra = _positions_matched(extra, order, self.buckets)
+        extra = _positions_matched(extra, order, self.buckets,
+                                   getattr(self, "known_names", set()))
         saved = extra["buckets"]
         for bname in sorted(set(saved) & set(mine)):
             if saved[bname]["numel"] != mine[bname].numel:
@@ -327,13 +328,17 @@ def _holds_mass(entry: dict) -> bool:
     return any(t is not None and bool(t.any()) for t in tensors)
 
 
-def _positions_matched(extra: dict, order: list, buckets: list) -> dict:
+def _positions_matched(extra: dict, order: list, buckets: list, names=frozenset()) -> dict:
     """``extra`` with its sparse bucket names (and anchors') renamed to this optimizer's by
-    position where the names differ but the buckets agree in number and size, in order;
-    else ``extra``."""
+    position where the names are foreign to this model (none of them a bucket or parameter
+    name here) but the buckets agree in number and size, in order; else ``extra`` (names
+    of this model's own that are not sparse buckets here mean another split, by density,
+    scope or a layer frozen: their mass belongs to those parameters, not to others of the
+    same size)."""
     saved = extra["buckets"]
     ours = [b.name for b in order]
-    if set(saved) == set(ours) or len(saved) != len(ours) \
+    known = {b.name for b in buckets} | {n for b in buckets for n in b.names} | set(names)
+    if set(saved) == set(ours) or set(saved) & known or len(saved) != len(ours) \
             or [v["numel"] for v in saved.values()] != [b.numel for b in order]:
         return extra
     rename = dict(zip(saved, ours))

@@ -97,6 +97,9 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         # sparse=True): a step where one has none (not used on this rank) hands it back sparse
         # too, in the layout the other ranks hand theirs back in
         self.sparse_gradients: set = set()
+        # set where the library switched an adaptive optimizer to Horovod's step because every
+        # bucket went dense (hvd_sparse.optimizer): later calibrations keep them dense
+        self.dense_only = False
         self.steps = 0
         self.local_count = 0
         self.stats = CommunicationStats()
@@ -449,6 +452,12 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         got = self.transport.wait(self.transport.allgather_async(mine.view(torch.uint8), name))
         steps, local = got.view(torch.int64).view(-1, 2).max(dim=0).values.tolist()
         self.steps, self.local_count = int(steps), int(local)
+        if not self.holds_replicated_state() and self.transport.size() > 1:
+            # a rank that joined before its first step would make the pairing check alone
+            # at its next one, against the others' gradient allreduces: made here, on every
+            # rank together (again where it was made already)
+            self._check_dense_pairing()
+            self._agreed_size, self.agreement_due = self.transport.size(), False
 
     def join_blockers(self) -> List[str]:
         """The buckets whose next exchange is not an allreduce (a sparse allgather or

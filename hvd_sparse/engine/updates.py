@@ -201,21 +201,25 @@ class UpdateExchange:
         return self.config.cost_model == "time" and self.calibrated_at == self.steps \
             and all(self.state[b.index].mode == "dense" for b in self.buckets if b.sparse)
 
-    def release_updates(self) -> None:
+    def release_updates(self, hold=()) -> None:
         """Collective: what error feedback still holds of the exchanged updates goes into the
         parameters now, averaged over the ranks (the downlink residual, the same everywhere,
         as it is), and the anchors and residuals are dropped: the step that follows
-        exchanges gradients."""
+        exchanges gradients. ``hold``: parameters frozen after wrapping, which keep their
+        values (as :meth:`exchange_deltas` keeps them)."""
+        held = {id(p) for p in hold}
         with torch.no_grad():
             for b in self.buckets:
                 st = self.state[b.index]
-                held = [r.buffer for r in (st.uplink, st.downlink) if r.buffer is not None]
+                mass = [r.buffer for r in (st.uplink, st.downlink) if r.buffer is not None]
                 if st.uplink.buffer is not None:
                     mine = st.uplink.buffer.clone()
-                    held[0] = self.transport.wait(self.transport.allreduce_async(
+                    mass[0] = self.transport.wait(self.transport.allreduce_async(
                         mine, f"hvd_sparse.release.{b.index}.{b.name}", average=True))
-                for flat in held:
+                for flat in mass:
                     for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
+                        if id(p) in held:
+                            continue
                         seg = flat[off:off + hi - lo].to(p.dtype)
                         write_flat(p, lo, hi, p.detach().reshape(-1)[lo:hi] + seg)
                 for r in (st.uplink, st.downlink):

@@ -325,6 +325,13 @@ def scenario_join(res):
                                            "params": [p.tolist() for p in m.parameters()]}
             if name.startswith("hvd_sparse"):  # the counters of the rank that stepped longest
                 out[f"uneven-small-{name}"]["steps"] = opt.state_dict()["hvd_sparse"]["steps"]
+            # and the next epoch, every rank stepping (a rank that had joined before its first
+            # step made the all-dense pairing check alone there, and the job stalled)
+            for _ in range(2):
+                opt.zero_grad()
+                F.mse_loss(m(torch.randn(8, 16)), torch.randn(8, 4)).backward()
+                opt.step()
+            out[f"uneven-small-{name}"]["then"] = [p.tolist() for p in m.parameters()]
         except RuntimeError as e:
             out[f"uneven-small-{name}"] = {"error": str(e)}
         del m, opt
