@@ -89,6 +89,26 @@ def _parameters_before_initialising_step(optimizer) -> list:
             for p in group["params"] if p.requires_grad]
 
 
+def _initialise_state(optimizer) -> None:
+    """What Horovod's broadcast does to an optimizer without state, so that the front ends
+    without Horovod give its numbers: one wrapped step on zero gradients creates the state
+    (Adam's step count 1, zero moments; the root's, broadcast next, then replaces it where the
+    root has state), the parameters put back as they were (see
+    :func:`_parameters_before_initialising_step`)."""
+    held = _parameters_before_initialising_step(optimizer)
+    if not held or isinstance(optimizer, torch.optim.LBFGS):
+        return
+    for p, _ in held:
+        p.grad = torch.zeros_like(p)
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            p.grad = p.grad.to_sparse()
+    base = getattr(optimizer, "_hs_base", None)  # the wrapped step: no exchange
+    (base.step(optimizer) if base is not None else optimizer.step())
+    with torch.no_grad():
+        for p, before in held:
+            p.copy_(before)
+
+
 def _holds_refused_dtypes(optimizer) -> bool:
     """Parameters or state of a dtype Horovod's broadcast refuses (bfloat16)? The same answer
     on every rank: parameters' dtypes match across replicas."""
@@ -102,6 +122,7 @@ def broadcast_state_as_object(optimizer, root_rank, broadcast_object):
     less the per-rank part, travels whole as one object (``broadcast_object``, the front
     end's), so a fresh optimizer needs no initialising step; the replicated state is taken
     before the next exchange. Each rank keeps its own uplink residuals."""
+    _initialise_state(optimizer)
     with warnings.catch_warnings():  # the state dict read here is not a checkpoint
         warnings.simplefilter("ignore", ShardedStateWarning)
         sd = optimizer.state_dict()

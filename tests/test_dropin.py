@@ -58,6 +58,12 @@ def test_resume_from_rank0_checkpoint_with_broadcast_optimizer_state(dropin):
             assert r[f"{key}_then_equal"], key
 
 
+def test_a_fresh_state_is_broadcast_as_horovods_on_every_front_end(dropin):
+    for r in dropin:
+        assert r["fresh_state"] == [1.0, 0.0]  # Horovod's initialising step, zero moments
+        assert r["fresh_params_kept"]
+
+
 def test_broadcast_optimizer_state_mid_run_reunites_replicas(dropin):
     for r in dropin:
         assert r["midrun_steps"] == 5  # rank 0's old state (4 steps) plus one

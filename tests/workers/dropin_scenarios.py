@@ -136,6 +136,20 @@ def scenario_resume_from_rank0(res):
             res[f"{key}_then_equal"] = same_everywhere(params(m2))
 
 
+def scenario_fresh_state_broadcast(res):
+    """broadcast_optimizer_state on a fresh AdamW (weight decay): Horovod's creates the state
+    by one step on zero gradients (step count 1, zero moments), and the front ends without
+    Horovod left it empty, so their runs drifted from Horovod's from the second step (a peer's
+    probe); the weights stay where they were broadcast."""
+    m = model()
+    opt = make(m, torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1))
+    before = params(m).clone()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    st = opt.state[next(m.parameters())]
+    res["fresh_state"] = [float(st["step"]), float(st["exp_avg"].abs().sum())] if st else None
+    res["fresh_params_kept"] = bool(torch.equal(params(m), before))
+
+
 def scenario_broadcast_mid_run(res):
     """hvd_sparse's broadcast_optimizer_state in the middle of a run: rank 0 reloads an old
     state, every rank calls the broadcast, replicas are equal again."""
@@ -1070,6 +1084,7 @@ def scenario_two_optimizers_in_rank_order(res):
 SCENARIOS = [scenario_update_exchange, scenario_adam_all_dense_takes_horovods_step,
              scenario_step_hooks, scenario_gradient_hooks_after_wrapping,
              scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
+             scenario_fresh_state_broadcast,
              scenario_update_nonfinite, scenario_bfloat16_broadcasts,
              scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
              scenario_sparse_embedding, scenario_sparse_embedding_unused_on_one_rank,
