@@ -511,30 +511,34 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         averaged over the ranks (then equal everywhere, as Horovod's is), and from the next
         step gradients are exchanged, as ``exchange="gradient"`` does."""
         engine = self._hs_engine
-        c = engine.config
-        if not (self._hs_exchange_auto and c.exchange == "update" and c.local_steps == 1
-                and not c.momentum_masking and engine.transport.size() > 1
+        if not (self._hs_may_take_horovods_step() and engine.transport.size() > 1
                 and engine.goes_all_dense()):
             return
         engine.release_updates(hold=self._hs_frozen())
         self._hs_average_state()
-        engine.config = dataclasses.replace(
+        self._hs_take_horovods_step()
+
+    def _hs_may_take_horovods_step(self) -> bool:
+        """Updates exchanged by the library's own choice, every step, without masking."""
+        c = self._hs_engine.config
+        return self._hs_exchange_auto and c.exchange == "update" and c.local_steps == 1 \
+            and not c.momentum_masking
+
+    def _hs_take_horovods_step(self) -> None:
+        """Gradients exchanged from now on, densely: later calibrations keep Horovod's step
+        (never sparse gradients for an adaptive optimizer)."""
+        c = self._hs_engine.config
+        self._hs_engine.config = dataclasses.replace(
             c, exchange="gradient",
             bidirectional=True if self._hs_bidirectional_auto else c.bidirectional)
-        engine.dense_only = True  # later calibrations keep Horovod's step (never sparse
-        # gradients for an adaptive optimizer)
+        self._hs_engine.dense_only = True
 
     def _hs_follow_saved_exchange(self, saved) -> None:
         """A state saved after the switch of :meth:`_hs_to_gradients_when_all_dense` (or with
         gradients exchanged) resumes exchanging gradients where the exchange was the
         library's choice: the loaded optimizer state is then one for Horovod's step."""
-        c = self._hs_engine.config
-        if saved == "gradient" and self._hs_exchange_auto and c.exchange == "update" \
-                and c.local_steps == 1 and not c.momentum_masking:
-            self._hs_engine.config = dataclasses.replace(
-                c, exchange="gradient",
-                bidirectional=True if self._hs_bidirectional_auto else c.bidirectional)
-            self._hs_engine.dense_only = True
+        if saved == "gradient" and self._hs_may_take_horovods_step():
+            self._hs_take_horovods_step()
 
     def _hs_average_state(self):
         """Collective: every floating-point tensor of the wrapped optimizer's state averaged
