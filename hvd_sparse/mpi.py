@@ -64,6 +64,7 @@ def init(comm=None):
     _layout.clear()
     _layout.update(_topology(_comm))
     mpi_guard.abort_on_uncaught(_comm)
+    mpi_guard.start_watch(_comm)  # a rank that leaves early: an error, not a wait
 
 
 #: what other launchers tell their processes about the job's size
@@ -147,7 +148,11 @@ def cross_size() -> int:
 
 
 def shutdown():
+    """Leave: the other ranks' collectives that this rank will not start now raise
+    ``HorovodInternalError`` (as after Horovod's shutdown) instead of waiting for it."""
     global _comm
+    if _comm is not None:
+        mpi_guard.stop_watch(_comm)
     _comm = None
     _layout.clear()
 

@@ -176,13 +176,41 @@ class MPITransport(Transport):
         src = self._staged(payload).reshape(-1)
         nbytes = src.numel() * src.element_size()
         counts = np.empty(self.size(), dtype=np.int64)
-        self.comm.Allgather(np.array([nbytes], dtype=np.int64), counts)
+        seq = self._start()
+        self._complete(self.comm.Iallgather(np.array([nbytes], dtype=np.int64), counts), seq)
         unit, unit_counts, displs = gatherv_layout(counts)
         out = torch.empty(int(counts.sum()), dtype=torch.uint8, device=src.device)
         dtype = MPI.BYTE if unit == 1 else self._unit_type(unit)
         req = self.comm.Iallgatherv([self._buffer(src), dtype],
                                     [self._buffer(out), unit_counts, displs, dtype])
-        return ("gather", req, out, src, payload.dtype, payload.device)
+        self._track(seq, req, (src, out))
+        return ("gather", req, out, src, payload.dtype, payload.device, seq)
+
+    def _start(self):
+        """The number of the collective this rank starts now where the front end watches
+        ``comm`` for ranks that left (:class:`hvd_sparse.mpi_guard.PeerExitWatch`), else None."""
+        from . import mpi_guard
+
+        w = mpi_guard.watch(self.comm)
+        return None if w is None else w.post()
+
+    def _track(self, seq, req, buffers) -> None:
+        from . import mpi_guard
+
+        w = mpi_guard.watch(self.comm) if seq is not None else None
+        if w is not None:
+            w.track(seq, req if isinstance(req, list) else [req], buffers)
+
+    def _complete(self, req, seq) -> None:
+        """Wait for ``req`` (one request or a list), through the watch when there is one."""
+        from . import mpi_guard
+
+        reqs = req if isinstance(req, list) else [req]
+        w = mpi_guard.watch(self.comm) if seq is not None else None
+        if w is None:
+            self.MPI.Request.Waitall(reqs)
+        else:
+            w.wait(reqs, seq)
 
     def alltoall_async(self, payload, splits, name):
         """Byte counts go first in a tiny ``Alltoall``, then the parts in an ``Ialltoallv``."""
@@ -192,7 +220,8 @@ class MPITransport(Transport):
         src = self._staged(payload).reshape(-1)
         send = np.asarray(list(splits), dtype=np.int64)
         recv = np.empty(self.size(), dtype=np.int64)
-        self.comm.Alltoall(send, recv)
+        seq = self._start()
+        self._complete(self.comm.Ialltoall(send, recv), seq)
         unit, send_units, send_displs = gatherv_layout(send)
         unit_r, recv_units, recv_displs = gatherv_layout(recv)
         if unit != 1 or unit_r != 1:  # past 2 GiB either way: MPI's counts are C ints
@@ -201,7 +230,8 @@ class MPITransport(Transport):
         out = torch.empty(int(recv.sum()), dtype=torch.uint8, device=src.device)
         req = self.comm.Ialltoallv([self._buffer(src), send_units, send_displs, MPI.BYTE],
                                    [self._buffer(out), recv_units, recv_displs, MPI.BYTE])
-        return ("gather", req, out, src, payload.dtype, payload.device)
+        self._track(seq, req, (src, out))
+        return ("gather", req, out, src, payload.dtype, payload.device, seq)
 
     def _unit_type(self, unit):
         types = self.__dict__.setdefault("_unit_types", {})
@@ -228,19 +258,18 @@ class MPITransport(Transport):
             bufs = [work, out]
         # MPI's counts are C ints: past 2**31 - 1 elements the sum goes in pieces
         n, step = work.numel(), ALLREDUCE_CHUNK
+        seq = self._start()
         req = [self.comm.Iallreduce([bufs[0][lo:lo + step], mpi_type],
                                     [bufs[1][lo:lo + step], mpi_type], op=MPI.SUM)
                for lo in range(0, max(n, 1), step)]
         scale = postscale / self.size() if average else postscale
-        return ("reduce", req, out, (work, scale), wire_dtype, tensor.device)
+        self._track(seq, req, (work, out))
+        return ("reduce", req, out, (work, scale), wire_dtype, tensor.device, seq)
 
     def wait(self, handle):
         """Complete a collective; returns the gathered bytes (as the payload's dtype) or the sum."""
-        kind, req, out, keep, dtype, device = handle
-        if isinstance(req, list):
-            self.MPI.Request.Waitall(req)
-        else:
-            req.Wait()
+        kind, req, out, keep, dtype, device, seq = handle
+        self._complete(req, seq)
         if kind == "gather":
             result = out.view(dtype)
         else:

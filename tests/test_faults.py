@@ -108,6 +108,62 @@ def test_an_exception_on_one_rank_ends_an_mpi4py_job(mpi4py_available):
     assert "finished without noticing" not in proc.stdout
 
 
+def _leave_run(np_, *args, timeout=90):
+    """tests/workers/leave_mpi.py on ``np_`` ranks: (process, {rank: its RESULT line})."""
+    import json
+
+    cmd = launch_command("mpirun", np_, WORKERS / "leave_mpi.py", *args)
+    try:
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"leave_mpi.py {' '.join(args)}: the ranks that stayed hung")
+    # ranks share the launcher's stdout: one rank's line may run into another's
+    decoder = json.JSONDecoder()
+    results = [decoder.raw_decode(chunk)[0] for chunk in proc.stdout.split("RESULT ")[1:]]
+    return proc, {r["rank"]: r for r in results}
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_rank_that_exits_early_gives_the_others_an_error_not_a_wait(np_, mpi4py_available):
+    """hvd_sparse.mpi: rank 1 calls sys.exit(0) in the middle of a step. Under Horovod the
+    others' next collective fails ('Horovod has been shut down'); under MPI they waited for
+    rank 1 for ever. Now each gets HorovodInternalError naming rank 1 at that step, and the
+    leaver's own collective in flight finishes cleanly (no crash in MPI_Finalize)."""
+    proc, res = _leave_run(np_, "exit", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "signal" not in proc.stderr, proc.stderr[-3000:]
+    assert res[1]["left_at"] == 5
+    for r in range(np_):
+        if r != 1:
+            assert "rank(s) [1]" in res[r]["error"] and "finished execution" in res[r]["error"]
+            assert res[r]["at_step"] == 5
+
+
+def test_a_rank_that_exits_with_an_error_code_ends_the_job(mpi4py_available):
+    proc, res = _leave_run(3, "exit", "3")
+    assert proc.returncode != 0
+    assert not any("steps" in r for r in res.values()), "a rank trained on without rank 1"
+
+
+def test_shutdown_on_one_rank_fails_the_others_collectives(mpi4py_available):
+    proc, res = _leave_run(2, "shutdown")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert res[1]["left"] and res[1]["error"] is None
+    assert "rank(s) [1]" in res[0]["error"]
+
+
+def test_a_collective_the_leaver_took_part_in_still_completes(mpi4py_available):
+    """Rank 0 (and 2) leave after their last allreduce; rank 1 waits for it only later: it
+    completes with every rank's contribution. Its next collective, which they never start,
+    raises."""
+    proc, res = _leave_run(3, "late")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(3):
+        assert res[r]["last"] == [2.0] * 4  # the average of 1, 2 and 3
+    assert res[0]["error"] is None and res[2]["error"] is None
+    assert "rank(s) [0" in res[1]["error"] and "finished execution" in res[1]["error"]
+
+
 def test_int64_indices_above_the_int32_limit(monkeypatch):
     """Selection and the wire switch to int64 past 2**31-1 entries (limit lowered to test it)."""
     monkeypatch.setattr(wire, "INT32_LIMIT", 999)
