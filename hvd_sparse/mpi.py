@@ -41,7 +41,7 @@ from .mpi_collectives import (  # noqa: F401 - Horovod's names
     rocm_built, start_timeline, stop_timeline, synchronize)
 from . import mpi_collectives
 from .mpi_guard import HorovodInternalError  # noqa: F401 - Horovod's name
-from .mpi_guard import agree, check_root, describe, missing_name
+from .mpi_guard import agree, check_root, describe, missing_name, watched
 from . import mpi_guard
 from .sync_batch_norm import SyncBatchNorm  # noqa: F401 - Horovod's name
 
@@ -123,8 +123,20 @@ def _topology(comm):
     node = comm.Split_type(__import__("mpi4py").MPI.COMM_TYPE_SHARED)
     mine = min(node.allgather(comm.Get_rank()))  # a node is named by its lowest rank
     leaders = sorted(set(comm.allgather(mine)))
+    sizes = set(comm.allgather(node.Get_size()))
     return {"local_rank": node.Get_rank(), "local_size": node.Get_size(),
-            "cross_rank": leaders.index(mine), "cross_size": len(leaders)}
+            "cross_rank": leaders.index(mine), "cross_size": len(leaders),
+            "homogeneous": len(sizes) == 1}
+
+
+def _gather_ints(value) -> list:
+    """Every rank's integer, in rank order (a watched collective)."""
+    import numpy as np
+
+    comm = _c()
+    out = np.empty(comm.Get_size(), dtype=np.int64)
+    watched(comm, lambda: comm.Iallgather(np.array([value], dtype=np.int64), out))
+    return out.tolist()
 
 
 def _where(key):
@@ -159,8 +171,9 @@ def shutdown():
 
 def barrier(process_set=None):
     _global_only(process_set)
-    agree(_c(), "barrier")
-    _c().Barrier()
+    comm = _c()
+    agree(comm, "barrier")
+    watched(comm, comm.Ibarrier)
 
 
 def _check_root(root_rank) -> int:
@@ -176,7 +189,8 @@ def _bcast_bytes(buf, root_rank) -> None:
     """``Bcast`` of a flat uint8 numpy array in chunks of at most BROADCAST_CHUNK_BYTES."""
     comm, step = _c(), BROADCAST_CHUNK_BYTES
     for lo in range(0, buf.size, step):
-        comm.Bcast(buf[lo:lo + step], root=root_rank)
+        chunk = buf[lo:lo + step]
+        watched(comm, lambda: comm.Ibcast(chunk, root=root_rank))
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
@@ -190,7 +204,9 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     agree(comm, "broadcast_object", root=root_rank)
     data = pickle.dumps(obj) \
         if comm.Get_rank() == root_rank else b""
-    size = comm.bcast(len(data), root=root_rank)
+    size = np.array([len(data)], dtype=np.int64)
+    watched(comm, lambda: comm.Ibcast(size, root=root_rank))
+    size = int(size[0])
     buf = np.frombuffer(bytearray(data), dtype=np.uint8) if data \
         else np.empty(size, dtype=np.uint8)
     _bcast_bytes(buf, root_rank)
@@ -206,7 +222,9 @@ def allgather_object(obj, name=None, process_set=None):
     comm = _c()
     agree(comm, "allgather_object")
     mine = pickle.dumps(obj)
-    sizes = comm.allgather(len(mine))
+    sizes = np.empty(comm.Get_size(), dtype=np.int64)
+    watched(comm, lambda: comm.Iallgather(np.array([len(mine)], dtype=np.int64), sizes))
+    sizes = sizes.tolist()
     out = []
     for root, size in enumerate(sizes):
         buf = np.frombuffer(bytearray(mine), dtype=np.uint8) if root == comm.Get_rank() \
@@ -292,7 +310,9 @@ def _sum(tensor, op, name, prescale, postscale):
     src = tensor.detach().cpu().contiguous()
     wide = src.to(torch.int64) if src.dtype != torch.int64 else src
     out = torch.empty_like(wide)
-    _c().Allreduce([wide.numpy(), MPI.INT64_T], [out.numpy(), MPI.INT64_T], op=MPI.SUM)
+    comm = _c()
+    watched(comm, lambda: comm.Iallreduce([wide.numpy(), MPI.INT64_T],
+                                          [out.numpy(), MPI.INT64_T], op=MPI.SUM))
     if op == compat.Average:
         out = torch.div(out, size(), rounding_mode="trunc")
     return out.to(dtype=tensor.dtype, device=tensor.device).view(tensor.shape)
@@ -388,7 +408,7 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         reduced = allreduce(grad, op=compat.Average, name="allgather.grad")
-        rows = _c().allgather(ctx.rows)
+        rows = _gather_ints(ctx.rows)
         return reduced.narrow(0, sum(rows[:rank()]), ctx.rows), None
 
 

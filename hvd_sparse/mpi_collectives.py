@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import compat
-from .mpi_guard import agree, describe
+from .mpi_guard import agree, describe, watched
 
 try:  # pragma: no branch
     from horovod.torch.mpi_ops import Max, Min, Product  # noqa: F401
@@ -153,7 +153,8 @@ def reduce_blocking(tensor, op, prescale=1.0, postscale=1.0):
     out = torch.empty_like(work)
     src, dst, mop = work.numpy(), out.numpy(), _mpi_op(op)
     for lo in range(0, max(src.size, 1), CHUNK):
-        comm.Allreduce(src[lo:lo + CHUNK], dst[lo:lo + CHUNK], op=mop)
+        a, b = src[lo:lo + CHUNK], dst[lo:lo + CHUNK]
+        watched(comm, lambda: comm.Iallreduce(a, b, op=mop))
     return _finish_reduction(out, tensor, op, postscale, comm.Get_size()).view(tensor.shape)
 
 
@@ -315,7 +316,8 @@ def _alltoall_start(tensor, splits, name):
     send = given if given is not None else [rows // size] * size
     t = _transport()
     recv_rows = np.empty(size, dtype=np.int64)
-    t.comm.Alltoall(np.asarray(send, dtype=np.int64), recv_rows)  # rows each rank sends here
+    # rows each rank sends here
+    watched(t.comm, lambda: t.comm.Ialltoall(np.asarray(send, dtype=np.int64), recv_rows))
     if torch.is_tensor(splits):
         received = torch.as_tensor(recv_rows).to(dtype=splits.dtype, device=splits.device)
     else:
@@ -383,7 +385,8 @@ def _reducescatter_blocking(tensor, op, prescale, postscale):
         raise ValueError("reducescatter of more than 2**31 - 1 elements per rank is not "
                          "supported by hvd_sparse.mpi")
     out = torch.empty(counts[rank], dtype=work.dtype)
-    comm.Reduce_scatter(work.numpy(), out.numpy(), recvcounts=counts, op=_mpi_op(op))
+    watched(comm, lambda: comm.Ireduce_scatter(work.numpy(), out.numpy(), recvcounts=counts,
+                                               op=_mpi_op(op)))
     out = _finish_reduction(out, tensor, op, postscale, size)
     return out.view(rows[rank], *tensor.shape[1:])
 
@@ -452,8 +455,10 @@ def join(device=-1) -> int:
     """Horovod's ``join`` where every rank calls it at the same point of its collectives (MPI
     cannot stand in for a rank that stopped early, as Horovod's background loop does): waits
     for all ranks and returns the rank that arrived last."""
-    agree(_mpi()._c(), "join")
-    arrived = _mpi()._c().allgather(time.time())
+    comm = _mpi()._c()
+    agree(comm, "join")
+    arrived = np.empty(comm.Get_size(), dtype=np.float64)
+    watched(comm, lambda: comm.Iallgather(np.array([time.time()]), arrived))
     return int(np.argmax(arrived))
 
 
@@ -500,8 +505,9 @@ def ccl_built() -> bool:
 
 
 def is_homogeneous() -> bool:
-    """Whether every node runs the same number of ranks."""
-    return len(set(_mpi()._c().allgather(_mpi().local_size()))) == 1
+    """Whether every node runs the same number of ranks (found by ``init``, as Horovod's: no
+    collective here)."""
+    return _mpi()._where("homogeneous")
 
 
 _timeline_warned = False

@@ -229,12 +229,17 @@ class PeerExitWatch:
         self.in_flight.clear()
 
     def close(self) -> None:
-        """This rank leaves: every other rank learns how many collectives it started."""
+        """This rank leaves: every other rank learns how many collectives it started. Not
+        after the script finalized MPI itself or freed the communicator (then nothing can
+        be sent, and MPI would abort the job for the attempt)."""
         if self.closed:
             return
         import numpy as np
 
         MPI = self.MPI
+        if MPI.Is_finalized() or self.comm == MPI.COMM_NULL or self.channel == MPI.COMM_NULL:
+            self.closed = True
+            return
         self._finish_in_flight()
         self.closed = True
         me = self.comm.Get_rank()
@@ -244,6 +249,19 @@ class PeerExitWatch:
         MPI.Request.Waitall(sends)  # a few bytes each: sent eagerly, nobody must receive them
         self._recv.Cancel()
         self._recv.Wait()
+
+
+def watched(comm, start) -> None:
+    """Run one non-blocking MPI collective, ``start()`` returning its request, to completion:
+    counted and waited through ``comm``'s watch where there is one (so a rank that left
+    before starting it is an error, not a wait), else plainly."""
+    w = watch(comm)
+    seq = w.post() if w is not None else None
+    req = start()
+    if w is None:
+        req.Wait()
+    else:
+        w.wait([req], seq)
 
 
 def watch(comm):

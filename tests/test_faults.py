@@ -164,6 +164,25 @@ def test_a_collective_the_leaver_took_part_in_still_completes(mpi4py_available):
     assert "rank(s) [0" in res[1]["error"] and "finished execution" in res[1]["error"]
 
 
+def test_a_rank_that_gives_up_inside_a_collective_is_noticed(mpi4py_available):
+    """The root of broadcast_object cannot pickle its object: an error on it alone, after
+    every rank agreed on the broadcast. It leaves; the others, waiting for the object's size,
+    raise instead of waiting for ever (every MPI call after the agreement is watched too)."""
+    proc, res = _leave_run(3, "local_error")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert res[0]["left"]
+    for r in (1, 2):
+        assert "rank(s) [0]" in res[r]["error"]
+
+
+def test_a_script_that_finalizes_mpi_itself_exits_cleanly(mpi4py_available):
+    """mpi4py scripts often end with MPI.Finalize(): leaving sends nothing then (MPI would
+    abort the job for a call after Finalize)."""
+    proc, res = _leave_run(2, "finalize")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [res[r]["sum"] for r in (0, 1)] == [2.0, 2.0]
+
+
 def test_int64_indices_above_the_int32_limit(monkeypatch):
     """Selection and the wire switch to int64 past 2**31-1 entries (limit lowered to test it)."""
     monkeypatch.setattr(wire, "INT32_LIMIT", 999)

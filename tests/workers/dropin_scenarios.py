@@ -862,13 +862,13 @@ def scenario_collective_helpers(res):
         chunk, hvd.BROADCAST_CHUNK_BYTES = hvd.BROADCAST_CHUNK_BYTES, 5
         comm, calls = hvd._comm, []
 
-        class Counting:  # the communicator, counting its Bcast calls
+        class Counting:  # the communicator, counting its Ibcast calls
             def __getattr__(self, name):
                 return getattr(comm, name)
 
-            def Bcast(self, buf, root=0):
+            def Ibcast(self, buf, root=0):
                 calls.append(len(buf))
-                return comm.Bcast(buf, root=root)
+                return comm.Ibcast(buf, root=root)
 
         hvd._comm = Counting()
         try:

@@ -6,6 +6,9 @@ they waited for the leaver for ever. Each rank prints one line ``RESULT <json>``
     leave_mpi.py shutdown    rank 1 calls hvd.shutdown() and returns; rank 0 broadcasts
     leave_mpi.py late        rank 0 finishes first; rank 1 waits for their last collective
                              only after rank 0 has gone (it completes), then starts another
+    leave_mpi.py local_error the root cannot pickle its object (an error on it alone, after
+                             the ranks agreed on the broadcast); it leaves, the others raise
+    leave_mpi.py finalize    every rank calls MPI.Finalize() itself before exit
 """
 import json
 import sys
@@ -67,4 +70,18 @@ elif mode == "late":
             hvd.allreduce(torch.ones(1), name="one more")
         except hvd.HorovodInternalError as e:
             res["error"] = str(e)
+elif mode == "local_error":
+    import threading
+
+    try:
+        hvd.broadcast_object(threading.Lock() if me == 0 else None, root_rank=0)
+    except hvd.HorovodInternalError as e:
+        res["error"] = str(e)
+    except TypeError:
+        res["left"] = True  # the root: its object cannot be pickled; it gives up
+elif mode == "finalize":
+    from mpi4py import MPI
+
+    res["sum"] = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()
+    MPI.Finalize()
 report()
