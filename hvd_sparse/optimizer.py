@@ -21,6 +21,7 @@ from itertools import chain
 import torch
 
 from . import buckets as bucketing
+from . import validate
 from .engine import Engine, build_config
 from .engine.config import EXCHANGES, adaptive_optimizer_classes, passes_per_step, resolve_exchange
 from .transport import HorovodTransport, make_transport
@@ -880,6 +881,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     exchange_auto = exchange == "auto"
+    # numbers as the rules below read them (NumPy and torch scalars too), checked first
+    density = validate.plain_number(density)
+    backward_passes_per_step = passes_per_step(backward_passes_per_step)
+    local_steps = validate.whole("local_steps", local_steps, 1)
     exchange = resolve_exchange(exchange, optimizer, backward_passes_per_step, local_steps,
                                 density, op)
     if exchange_auto and exchange == "gradient" and _looks_adaptive(optimizer) \
@@ -943,6 +948,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                     if id(p) in seen:
                         raise ValueError("A parameter can only appear once in groups.")
                     seen.add(id(p))
+    min_sparse_numel, bucket_cap_mb = (validate.plain_number(v)
+                                       for v in (min_sparse_numel, bucket_cap_mb))
+    max_bucket_numel = validate.plain_number(max_bucket_numel)
     if isinstance(min_sparse_numel, bool) or not isinstance(min_sparse_numel, int) \
             or min_sparse_numel < 0:
         raise ValueError(f"min_sparse_numel must be a non-negative int, got {min_sparse_numel!r}")

@@ -8,14 +8,14 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-import numbers
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 import torch
 
-from .. import wire
+from .. import validate, wire
 from ..compat import Compression
 from ..sparsifiers import Sparsifier, make_sparsifier
 
@@ -119,6 +119,7 @@ class EngineConfig:
 def passes_per_step(value) -> int:
     """``backward_passes_per_step`` as an int: a positive whole number (``2.0`` too, which
     Horovod takes)."""
+    value = validate.plain_number(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not math.isfinite(value) or value != int(value) or value < 1:
         # Horovod's words first ("must be > 0"), for code that matches them
@@ -127,19 +128,7 @@ def passes_per_step(value) -> int:
     return int(value)
 
 
-def _plain_number(value):
-    """A Python number from a NumPy scalar or a one-element torch tensor (what config files
-    and schedules often hand over), else ``value`` itself; booleans stay booleans."""
-    if type(value) in (bool, int, float):
-        return value
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad \
-            and value.dtype != torch.bool:
-        value = value.item()
-    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
-    return value
+_plain_number = validate.plain_number
 
 
 def _density(name, value):
@@ -177,11 +166,12 @@ def _compressor(compression):
 def masking_strength(value) -> float:
     """``momentum_masking`` as the share of the momentum removed where a rank sent: True is
     1.0 (DGC's masking), False 0.0, a number in [0, 1] itself."""
+    value = _plain_number(value)
     if isinstance(value, bool):
         return 1.0 if value else 0.0
     if not isinstance(value, (int, float)):
         raise TypeError(f"momentum_masking must be a bool or a number in [0, 1], got {value!r}")
-    if not 0.0 <= float(value) <= 1.0:
+    if not 0.0 <= float(value) <= 1.0:  # (NaN too)
         raise ValueError(f"momentum_masking must be in [0, 1], got {value!r}")
     return float(value)
 
@@ -218,8 +208,10 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
     if op != compat.Average and op != compat.Sum:
         raise ValueError(f"op={op!r} is not supported; use hvd.Average or hvd.Sum")
     average = op == compat.Average
+    gradient_predivide_factor = _plain_number(gradient_predivide_factor)
     if isinstance(gradient_predivide_factor, bool) or not isinstance(
-            gradient_predivide_factor, (int, float)) or gradient_predivide_factor <= 0:
+            gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0 \
+            or not math.isfinite(gradient_predivide_factor):
         raise ValueError("gradient_predivide_factor must be a positive number, "
                          f"got {gradient_predivide_factor!r}")
     if gradient_predivide_factor != 1.0 and not average:
@@ -236,6 +228,9 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         raise ValueError("density_cooldown_steps needs total_steps, the run's length in "
                          "optimizer steps: the cool-down takes the last density_cooldown_steps "
                          "of it")
+    if sparsifier_options is not None and not isinstance(sparsifier_options, Mapping):
+        raise TypeError("sparsifier_options must be a dict of the method's keywords, got "
+                        f"{sparsifier_options!r}")
     method_options = dict(sparsifier_options or {})
     for key, value in (("threshold", threshold), ("min_density", min_density),
                        ("max_density", max_density)):
@@ -252,18 +247,29 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
             exchanges = -(-sparse_steps // local_steps)
         method_options["total_steps"] = exchanges
     up = make_sparsifier(sparsifier, **method_options)
+    floor, ceiling = getattr(up, "min_density", None), getattr(up, "max_density", None)
+    if (floor is not None and floor > density) or (ceiling is not None and ceiling < density):
+        # (adaptive Top-K: the floor alone would overspend the budget; found here, not in
+        # the first step)
+        raise ValueError(f"adaptive Top-K needs min_density <= density <= max_density, got "
+                         f"{floor!r}, {density!r}, {ceiling!r}")
     # The downlink gets its own instance: a stateful method keeps separate state per direction.
     down = copy.deepcopy(up)
     if index_coding is None:
         index_coding = "golomb" if up.constant_value else "auto"
     if index_coding not in INDEX_CODINGS:
         raise ValueError(f"index_coding must be one of {INDEX_CODINGS}, got {index_coding!r}")
+    momentum_correction = _plain_number(momentum_correction)
     if isinstance(momentum_correction, bool) or not isinstance(momentum_correction, (int, float)) \
             or not 0.0 <= momentum_correction < 1.0:
         raise ValueError(f"momentum_correction must be in [0, 1), got {momentum_correction!r}")
-    if local_clip_norm is not None and not (isinstance(local_clip_norm, (int, float))
-                                            and local_clip_norm > 0):
-        raise ValueError(f"local_clip_norm must be a positive number, got {local_clip_norm!r}")
+    if local_clip_norm is not None:
+        local_clip_norm = _plain_number(local_clip_norm)
+        if isinstance(local_clip_norm, bool) or not isinstance(local_clip_norm, (int, float)) \
+                or not 0 < local_clip_norm < math.inf:
+            raise ValueError(f"local_clip_norm must be a positive finite number (or None), "
+                             f"got {local_clip_norm!r}")
+        local_clip_norm = float(local_clip_norm)
     density_warmup_steps = _nonneg_int("density_warmup_steps", density_warmup_steps)
     dense_warmup_steps = _nonneg_int("dense_warmup_steps", dense_warmup_steps)
     local_steps = _nonneg_int("local_steps", local_steps, 1)
@@ -283,7 +289,7 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
                          "momentum_correction masks its own velocity")
     if cost_model not in COST_MODELS:
         raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
-    if not dense_fallback:
+    if not validate.flag("dense_fallback", dense_fallback):
         cost_model = "off"
     calibration_steps = _nonneg_int("calibration_steps", calibration_steps, 1)
     recalibrate_every = _nonneg_int("recalibrate_every", recalibrate_every)
@@ -293,6 +299,7 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         raise ValueError(f"sharded_selection must be one of {SHARDED_SELECTIONS}, "
                          f"got {sharded_selection!r}")
     rebalance_every = _nonneg_int("rebalance_every", rebalance_every)
+    layer_floor = _plain_number(layer_floor)
     if isinstance(layer_floor, bool) or not isinstance(layer_floor, (int, float)) \
             or not 0.0 <= layer_floor <= 1.0:
         raise ValueError(f"layer_floor must be a number in [0, 1], got {layer_floor!r}")
@@ -309,9 +316,11 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         total_steps=total_steps, density_cooldown_steps=density_cooldown_steps,
         cooldown_density=cooldown_density, dense_warmup_steps=dense_warmup_steps,
         local_steps=local_steps, exchange=exchange,
-        track_error=bool(track_error), deterministic_dense=bool(deterministic_dense),
+        track_error=validate.flag("track_error", track_error),
+        deterministic_dense=validate.flag("deterministic_dense", deterministic_dense),
         cost_model=cost_model, calibration_steps=calibration_steps,
         recalibrate_every=recalibrate_every, value_dtype=value_dtype, nonfinite=nonfinite,
-        verify_every=verify_every, check_config=bool(check_config), collective=collective,
+        verify_every=verify_every, check_config=validate.flag("check_config", check_config),
+        collective=collective,
         sharded_selection=sharded_selection, rebalance_every=rebalance_every,
         layer_floor=float(layer_floor), momentum_masking=momentum_masking)

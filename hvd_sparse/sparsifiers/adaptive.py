@@ -39,6 +39,7 @@ import torch
 
 from ..kernels import select as fused_select
 from ..kernels.sums import fixed_point_sum
+from .. import validate
 from .base import Sparsifier, k_for_density, topk_indices
 
 
@@ -73,10 +74,16 @@ class AdaptiveTopK(Sparsifier):
             raise ValueError(f"horizon must be a positive int, got {horizon!r}")
         self.total_steps = total_steps
         self.horizon = horizon
-        self.min_density = min_density
-        self.max_density = max_density
-        self.gamma = float(gamma)
-        self.ema = float(ema)
+        self.min_density = None if min_density is None else validate.real(
+            "min_density", min_density, 0, 1, lo_open=True)
+        self.max_density = None if max_density is None else validate.real(
+            "max_density", max_density, 0, 1, lo_open=True)
+        if None not in (self.min_density, self.max_density) \
+                and self.min_density > self.max_density:
+            raise ValueError(f"adaptive Top-K needs min_density <= max_density, got "
+                             f"{min_density!r} > {max_density!r}")
+        self.gamma = validate.real("gamma", gamma, 0)
+        self.ema = validate.real("ema", ema, 0, 1, hi_open=True)
         self.buckets = {}  # bucket -> {"spent", "steps", "signal", "mean", "last_k"}
 
     @staticmethod

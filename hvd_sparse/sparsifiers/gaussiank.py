@@ -26,6 +26,7 @@ import math
 
 from ..kernels import reference
 from ..kernels import select as fused_select
+from .. import validate
 from .base import Sparsifier, k_for_density
 
 
@@ -33,12 +34,8 @@ class GaussianK(Sparsifier):
     name = "gaussiank"
 
     def __init__(self, slack: float = 2.0, max_passes: int = 3):
-        if slack < 1.0:
-            raise ValueError(f"slack must be >= 1, got {slack}")
-        if max_passes < 1:
-            raise ValueError(f"max_passes must be >= 1, got {max_passes}")
-        self.slack = float(slack)
-        self.max_passes = int(max_passes)
+        self.slack = validate.real("slack", slack, 1.0)
+        self.max_passes = validate.whole("max_passes", max_passes, 1)
         self.last_passes = 0
         self.last_fallback = False
 

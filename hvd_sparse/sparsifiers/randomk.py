@@ -7,6 +7,7 @@ import zlib
 
 import torch
 
+from .. import validate
 from .base import Sparsifier, k_for_density
 
 
@@ -21,7 +22,10 @@ class RandomK(Sparsifier):
     name = "randomk"
 
     def __init__(self, seed: int = 0):
-        self.seed = int(seed)
+        seed = validate.plain_number(seed)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.seed = seed
 
     def select(self, acc, density, ctx):
         k = k_for_density(acc.numel(), density)
