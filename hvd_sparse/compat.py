@@ -36,3 +36,24 @@ except ImportError:  # Horovod missing: same names and meanings
     class Compression:  # type: ignore[no-redef]
         none = _NoneCompressor
         fp16 = _FP16Compressor
+
+
+def differentiable_broadcast(copy_from_root, average, my_rank):
+    """Horovod's differentiable ``broadcast`` over a front end's own primitives, as an autograd
+    Function: the forward is ``copy_from_root(tensor, root_rank)`` on a copy of the input; the
+    gradient is averaged over the ranks (``average(grad)``) and kept by the root alone
+    (``my_rank()``), as Horovod's ``HorovodBroadcast.backward``."""
+    import torch
+
+    class Broadcast(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, tensor, root_rank):
+            ctx.root_rank = root_rank
+            return copy_from_root(tensor.detach().clone(), root_rank)
+
+        @staticmethod
+        def backward(ctx, grad):
+            reduced = average(grad)
+            return (reduced if my_rank() == ctx.root_rank else reduced * 0), None
+
+    return Broadcast

@@ -372,18 +372,9 @@ def broadcast_(tensor, root_rank=0, name=None, process_set=None):
     return _broadcast_into(tensor, root_rank)
 
 
-class _Broadcast(torch.autograd.Function):
-    """Horovod's gradient: averaged over ranks, kept by the root alone."""
-
-    @staticmethod
-    def forward(ctx, tensor, root_rank):
-        ctx.root_rank = root_rank
-        return _broadcast_into(tensor.detach().clone(), root_rank)
-
-    @staticmethod
-    def backward(ctx, grad):
-        reduced = allreduce(grad, op=compat.Average, name="broadcast.grad")
-        return (reduced if rank() == ctx.root_rank else reduced * 0), None
+_Broadcast = compat.differentiable_broadcast(
+    _broadcast_into, lambda grad: allreduce(grad, op=compat.Average, name="broadcast.grad"),
+    lambda: rank())
 
 
 def broadcast(tensor, root_rank=0, name=None, process_set=None):

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .compat import Average, Compression, Sum  # noqa: F401 - Horovod's names, Compression too
+from . import compat
 from .mpi_collectives import Max, Min, Product  # noqa: F401 - Horovod's values
 from .mpi_guard import HorovodInternalError, check_root, missing_name
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
@@ -290,18 +291,9 @@ def broadcast_(tensor, root_rank=0, name=None, process_set=None):
     return tensor
 
 
-class _Broadcast(torch.autograd.Function):
-    """Horovod's gradient: averaged over ranks, kept by the root alone."""
-
-    @staticmethod
-    def forward(ctx, tensor, root_rank):
-        ctx.root_rank = root_rank
-        return broadcast_(tensor.detach().clone(), root_rank)
-
-    @staticmethod
-    def backward(ctx, grad):
-        reduced = _reduce(grad.contiguous(), Average, 1.0, 1.0)
-        return (reduced if rank() == ctx.root_rank else reduced * 0), None
+_Broadcast = compat.differentiable_broadcast(
+    lambda tensor, root: broadcast_(tensor, root),
+    lambda grad: _reduce(grad.contiguous(), Average, 1.0, 1.0), lambda: rank())
 
 
 def broadcast(tensor, root_rank=0, name=None, process_set=None):
