@@ -1,5 +1,7 @@
 """The one-line switch (`import hvd_sparse as hvd`) and the training entry point end to end."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -555,3 +557,49 @@ def test_mpi_front_end_refuses_another_launcher_and_takes_horovods_arguments(mpi
                              env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert run.returncode != 0 and launcher in run.stderr and "mpirun" in run.stderr, \
             run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--model", "foo"], "--model foo does not fit --dataset fashion-mnist"),
+    (["--dataset", "shakespeare", "--model", "cnn"], "does not fit --dataset shakespeare"),
+    (["--density", "0"], "--density must be in (0, 1]"),
+    (["--downlink-density", "2"], "--downlink-density must be in (0, 1]"),
+    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--batch-size", "-4"], "--batch-size must be at least 1"),
+    (["--dataset", "shakespeare", "--steps-per-epoch", "0"], "--steps-per-epoch must be at least 1"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--ranks", "0"], "--ranks must be at least 1"),
+    (["--lr", "-1"], "--lr must be at least 0"),
+    (["--metrics", "/nonexistent-folder/m.jsonl"], "--metrics: the folder"),
+])
+def test_training_cli_refuses_values_no_run_can_use_in_one_line(argv, says):
+    """Before any data is read or rank started: argparse's usage and one error line, exit 2
+    (they ended in tracebacks from deep inside a run, or trained nothing and exited 0)."""
+    proc = subprocess.run([sys.executable, "-m", "hvd_sparse.train", *argv], env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_training_cli_with_no_full_batch_says_so(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hvd_sparse.train", "--optimizer", "local",
+                           "--train-limit", "10", "--epochs", "1", "--no-progress"],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "no full batch of 64 per rank" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_training_cli_progress_lines_stay_whole_under_tagged_output(tmp_path, mpi4py_available):
+    """Launchers run Python unbuffered (horovodrun sets PYTHONUNBUFFERED) and tag each chunk
+    of output: print's text and its newline went out apart, and every progress line of the
+    README's main job ended in a stray "[1,0]<stdout>:". One write per line now."""
+    cmd = launch_command("mpirun", 2, "-m", "hvd_sparse.train", "--transport", "mpi",
+                         "--epochs", "1", "--train-limit", "1280", "--test-limit", "200",
+                         "--cost-model", "off")
+    cmd.insert(1, "--tag-output")
+    env = dict(_env(), PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tagged = [line for line in proc.stdout.splitlines() if "<stdout>:" in line]
+    assert any("step 10/10" in line for line in tagged), proc.stdout[-2000:]
+    assert all(line.count("<stdout>:") == 1 for line in tagged), proc.stdout[-2000:]

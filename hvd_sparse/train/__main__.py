@@ -26,20 +26,24 @@ from hvd_sparse.buckets import resolve_scope
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m hvd_sparse.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=_HelpFormatter)
     p.add_argument("--dataset", default="fashion-mnist",
                    choices=["fashion-mnist", "shakespeare", "fortunes"],
                    help="fortunes: Debian's fortune cookies, a corpus held out of the "
                         "convergence study")
     p.add_argument("--model", default=None,
                    help="cnn | resnet | mlp11m | mlpdeep (fashion-mnist); "
-                        "lstm | gru | tcn | transformer (shakespeare, fortunes)")
+                        "lstm | gru | tcn | transformer (shakespeare, fortunes) (default: cnn "
+                        "for fashion-mnist, lstm for the text sets)")
     p.add_argument("--optimizer", default="sparse", choices=["sparse", "dense", "local"],
                    help="sparse: hvd_sparse; dense: Horovod's own (control); local: no exchange")
     p.add_argument("--sparsifier", default="topk",
-                   choices=["topk", "gaussiank", "threshold", "adaptive", "sbc", "randomk"])
-    p.add_argument("--density", type=float, default=0.01)
-    p.add_argument("--downlink-density", type=float, default=None)
+                   choices=["topk", "gaussiank", "threshold", "adaptive", "sbc", "randomk"],
+                   help="which entries each rank sends")
+    p.add_argument("--density", type=float, default=0.01,
+                   help="share of each gradient's entries sent per step (uplink)")
+    p.add_argument("--downlink-density", type=float, default=None,
+                   help="share re-selected from the aggregate (None: --density)")
     p.add_argument("--threshold", type=float, default=None,
                    help="lambda for --sparsifier threshold (default 1e-3; --density is then "
                         "not used)")
@@ -53,12 +57,14 @@ def parse_args(argv=None):
                    help="Top-K in a bucket of several tensors (--scope model or bucket): the "
                         "share of each tensor's own Top-K it keeps before the rest of the "
                         "budget goes to the largest entries anywhere")
-    p.add_argument("--deterministic-dense", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--deterministic-dense", action=argparse.BooleanOptionalAction, default=True,
+                   help="dense buckets summed in rank order (bitwise-identical replicas)")
     p.add_argument("--cost-model", default="time", choices=["time", "bytes", "off"],
                    help="per-bucket dense fallback: from measured time (default), bytes, or never")
     p.add_argument("--transport", default=None, choices=["horovod", "mpi", "torch"],
-                   help="torch: torch.distributed under torchrun (--optimizer dense is then "
-                        "hvd_sparse at density 1, Horovod's step)")
+                   help="horovod (the default): Horovod's collectives; mpi: mpi4py, no "
+                        "Horovod; torch: torch.distributed under torchrun (with mpi and torch "
+                        "--optimizer dense is hvd_sparse at density 1, Horovod's step)")
     p.add_argument("--collective", default="auto", choices=["allgather", "sharded", "auto"],
                    help="how sparse buckets are exchanged (see DistributedOptimizer)")
     p.add_argument("--sharded-selection", default="global", choices=["global", "region"],
@@ -69,18 +75,20 @@ def parse_args(argv=None):
                         "thirtieth session; since MPI's waiting threads yield their core "
                         "(hvd_sparse.init), 1 ms is faster: mlp11m at 1 Gbit/s 88.5 against "
                         "95.4 ms at 2 ranks, 260 against 279 at 4 (benchmarks/cycle_time.py)")
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2, help="passes over the data")
     p.add_argument("--steps-per-epoch", type=int, default=200, help="text data sets only")
-    p.add_argument("--batch-size", type=int, default=None, help="per rank")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="per rank (default: 64 for fashion-mnist, 32 for the text sets)")
     p.add_argument("--lr", type=float, default=None,
                    help="default: 3e-3 for AdamW; for SGD per data set and model. SGD's rate, "
                         "given or not, is multiplied by the rank count")
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD only")
     p.add_argument("--base-optimizer", default="sgd", choices=["sgd", "adamw"],
                    help="the optimizer wrapped: SGD with momentum (lr scaled by the rank count) "
                         "or AdamW with --warmup-steps of linear warm-up and cosine decay")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW only")
-    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="learning-rate warm-up, in optimizer steps")
     p.add_argument("--lr-schedule", default="auto", choices=["auto", "constant", "cosine"],
                    help="cosine: --warmup-steps of linear warm-up, then cosine decay to zero "
                         "at the end of the run; auto: cosine for AdamW, constant for SGD")
@@ -97,7 +105,8 @@ def parse_args(argv=None):
                    help="where the cool-down ends (0.2: against 0.1, the held-out GRU +1.8%% "
                         "of dense's validation loss instead of +2.2%% over 3 seeds at 1%%; "
                         "docs/results.md)")
-    p.add_argument("--dense-warmup-steps", type=int, default=0)
+    p.add_argument("--dense-warmup-steps", type=int, default=0,
+                   help="first steps exchanged dense")
     p.add_argument("--momentum-correction", action="store_true",
                    help="SGD: DGC's momentum correction (the engine keeps the velocity, with "
                         "--momentum as its factor; the wrapped SGD runs without momentum)")
@@ -119,17 +128,76 @@ def parse_args(argv=None):
                         "rank's optimizer update (auto: updates, except gradients for SGD with "
                         "--momentum-correction; see exchange_defaults)")
     p.add_argument("--train-limit", type=int, default=0, help="use only the first N images")
-    p.add_argument("--test-limit", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--test-limit", type=int, default=0, help="score only the first N (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="model and data order")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--ranks", type=int, default=None,
-                   help="start this many local ranks with horovodrun (when not already launched)")
+                   help="start this many local ranks (when not already launched): under "
+                        "horovodrun, or mpirun with --transport mpi, or torchrun with "
+                        "--transport torch")
     p.add_argument("--benchmark-steps", type=int, default=0,
                    help="time this many steps (after 2 warm-up steps) instead of training")
     p.add_argument("--metrics", default=None, help="append per-epoch JSON lines here (rank 0)")
     p.add_argument("--tensorboard", default=None, help="write TensorBoard scalars here (rank 0)")
-    p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar or progress lines (the epoch lines stay)")
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module's docstring as written, and each option's default after its help where the
+    help does not say it already (None: it depends on other options, which the help says)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text \
+                and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def check_args(parser, args) -> None:
+    """Values no run can use, refused before any data is read or rank started: one line
+    (argparse's usage and error, exit status 2), where they failed deep inside a run, or ran
+    no step at all and exited 0."""
+    from .models import CHAR_MODELS, MODELS
+
+    fits = MODELS if args.dataset == "fashion-mnist" else CHAR_MODELS
+    if args.model is not None and args.model not in fits:
+        parser.error(f"--model {args.model} does not fit --dataset {args.dataset}; choose "
+                     f"from {', '.join(sorted(fits))}")
+    for name in ("density", "downlink_density", "cooldown_density"):
+        v = getattr(args, name)
+        if v is not None and not 0.0 < v <= 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {v}")
+    at_least = {"epochs": 1, "steps_per_epoch": 1, "batch_size": 1, "seq_len": 1,
+                "threads": 1, "ranks": 1, "benchmark_steps": 0, "warmup_steps": 0,
+                "train_limit": 0, "test_limit": 0, "min_sparse_numel": 0,
+                "dense_warmup_steps": 0, "density_warmup_steps": 0,
+                "density_cooldown_steps": 0}
+    for name, low in at_least.items():
+        v = getattr(args, name)
+        if v is not None and v < low:
+            parser.error(f"--{name.replace('_', '-')} must be at least {low}, got {v}")
+    for name in ("lr", "weight_decay", "momentum"):
+        v = getattr(args, name)
+        if v is not None and not v >= 0:
+            parser.error(f"--{name.replace('_', '-')} must be at least 0, got {v}")
+    if not 0.0 <= args.layer_floor <= 1.0:
+        parser.error(f"--layer-floor must be in [0, 1], got {args.layer_floor}")
+    for name in ("metrics", "tensorboard"):
+        path = getattr(args, name)
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            parser.error(f"--{name}: the folder {folder} does not exist")
+    if args.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError as e:
+            parser.error(f"--tensorboard needs the tensorboard package ({e}); "
+                         "`pip install tensorboard`")
 
 
 DEFAULTS = {"fashion-mnist": {"model": "cnn", "batch_size": 64, "lr": 0.05},
@@ -320,6 +388,11 @@ def build_optimizer(args, model, base, hvd):
 
 def main(argv=None):
     args = parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):
+        # one write per line: unbuffered (PYTHONUNBUFFERED, as launchers set it), print's
+        # text and newline went out apart, and mpirun's --tag-output tagged the newline
+        # ("... 1 s[1,0]<stdout>:")
+        sys.stdout.reconfigure(write_through=False, line_buffering=True)
     if args.ranks and not _launched() and args.optimizer != "local":
         _relaunch(args, argv)
     elif args.ranks and args.ranks > 1 and not _launched():
@@ -356,6 +429,10 @@ def main(argv=None):
                                    steps_per_epoch=args.steps_per_epoch, seed=args.seed,
                                    seq_len=args.seq_len)
     steps_per_epoch = work.steps_per_epoch(size)
+    if steps_per_epoch < 1:  # every rank finds the same: all leave alike
+        raise SystemExit(f"hvd_sparse.train: no full batch of {args.batch_size} per rank on "
+                         f"{size} rank(s) in the training data (--train-limit "
+                         f"{args.train_limit}): nothing to train")
     args.total_steps = steps_per_epoch * args.epochs
     torch.manual_seed(args.seed)
     model = work.model()
@@ -445,15 +522,17 @@ def main(argv=None):
                        bytes_received=t["bytes_received"], dense_bytes=t["dense_bytes"],
                        achieved_density=round(t["selected"] / max(t["numel"], 1), 6),
                        compression_error=t["compression_error"])
-        else:
-            rec.update(bytes_sent=grad_bytes * steps, dense_bytes=grad_bytes * steps)
+        else:  # local, or one process: nothing goes anywhere
+            exchanged = args.optimizer == "dense" and size > 1
+            rec.update(bytes_sent=grad_bytes * steps if exchanged else 0,
+                       dense_bytes=grad_bytes * steps)
         records.append(rec)
         if rank == 0:
             metric = {k: v for k, v in rec.items() if k.startswith(("test_", "valid_"))}
             saved = rec["dense_bytes"] / max(rec["bytes_sent"], 1)
             sent = (f", sent {rec['bytes_sent'] / 2**20:.2f} MiB vs dense "
                     f"{rec['dense_bytes'] / 2**20:.2f} MiB ({saved:.1f}x less)"
-                    if rec["dense_bytes"] else ", nothing exchanged")
+                    if rec["bytes_sent"] and rec["dense_bytes"] else ", nothing exchanged")
             print(f"epoch {epoch + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metric.items())
                   + f"{sent}, {rec['wall_s']:.1f} s", flush=True)
             if args.metrics:
