@@ -138,11 +138,7 @@ def _density(name, value):
     return float(value)
 
 
-def _nonneg_int(name, value, minimum=0):
-    value = _plain_number(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+_nonneg_int = validate.whole
 
 
 def _takes(sparsifier, keyword) -> bool:
