@@ -570,13 +570,13 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             root = safety._gather_bytes(engine.transport, blob, "hvd_sparse.state.whole")[0]
             if engine.transport.rank() != 0:  # (state only: the groups' dicts stay, which
                 # an LR scheduler may hold)
-                loaded = torch.load(io.BytesIO(root), weights_only=True)["state"]
-                order = [p for g in self.param_groups for p in g["params"]]
+                loaded = torch.load(io.BytesIO(root), map_location="cpu",
+                                    weights_only=True)["state"]
+                order = [(p, g) for g in self.param_groups for p in g["params"]]
                 self.state.clear()
                 for i, st in loaded.items():
-                    p = order[int(i)]
-                    self.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor)
-                                     and v.dim() > 0 else v for k, v in st.items()}
+                    p, group = order[int(i)]
+                    self.state[p] = {k: _placed(v, k, p, group) for k, v in st.items()}
             return
         with torch.no_grad():
             for j, v in enumerate(tensors):
@@ -1056,6 +1056,18 @@ def after_join() -> None:
         if not opt._hs_passthrough and opt._hs_transport.included() \
                 and opt._hs_transport.size() > 1:
             opt._hs_engine.after_join()
+
+
+def _placed(value, key, param, group):
+    """An optimizer state value loaded on the host, where torch's ``load_state_dict`` puts it
+    for ``param``: Adam's ``step`` stays on the host unless the group is fused or capturable,
+    other tensors go to the parameter's device (rank 0's device index is not this rank's)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step":
+        return value.to(param.device) if group.get("fused") or group.get("capturable") \
+            else value
+    return value.to(param.device)
 
 
 def _warn_step_after_synchronize():

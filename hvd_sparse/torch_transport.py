@@ -47,8 +47,10 @@ class TorchDistributedTransport(Transport):
 
     def _staged(self, tensor, copy=False):
         """``tensor`` where the backend reads it (a copy when ``copy``: the collective writes)."""
-        if self.on_cuda:
-            where = torch.device("cuda", torch.cuda.current_device())
+        if self.on_cuda:  # a CUDA tensor where it lies (a model on cuda:local_rank without
+            # set_device would otherwise be staged to the current device, cuda:0, every call)
+            where = tensor.device if tensor.device.type == "cuda" \
+                else torch.device("cuda", torch.cuda.current_device())
         else:
             where = torch.device("cpu")
         out = tensor.detach().reshape(-1)
@@ -75,13 +77,14 @@ class TorchDistributedTransport(Transport):
     def alltoall_async(self, payload, splits, name):
         """Byte counts first in a tiny all-to-all, then the parts."""
         src = self._staged(payload)
-        send = torch.tensor(list(splits), dtype=torch.int64, device=src.device)
+        splits = [int(x) for x in splits]
+        send = torch.tensor(splits, dtype=torch.int64, device=src.device)
         recv = torch.empty_like(send)
         self.dist.all_to_all_single(recv, send, group=self.group)
         recv_counts = recv.tolist()
         out = torch.empty(sum(recv_counts), dtype=src.dtype, device=src.device)
         work = self.dist.all_to_all_single(out, src, output_split_sizes=recv_counts,
-                                           input_split_sizes=send.tolist(),
+                                           input_split_sizes=splits,
                                            group=self.group, async_op=True)
         return ("exchange", work, (out, src), payload.dtype, payload.device)
 
