@@ -141,22 +141,41 @@ def check_mpi(path):
     rank, size = hvd.rank(), hvd.size()
     device = os.environ.get("GPU_CHECK_DEVICE", "cuda")
     runs = {}
-    cases = [(c, s, 512, 0.0) for c in ("allgather", "sharded")
+    # (collective, sparsifier, width, layer floor, wrapped optimizer, cost model, resumed)
+    cases = [(c, s, 512, 0.0, "sgd", "off", False) for c in ("allgather", "sharded")
              for s in ("topk", "gaussiank", "sbc")]
-    cases.append(("sharded", "topk", 8192, 0.0))  # a 2M-entry layer: the global threshold rule
-    cases.append(("allgather", "topk", 512, 0.5))  # a floor per tensor in the one bucket
-    for collective, sparsifier, width, floor in cases:
+    # a 2M-entry layer: the global threshold rule
+    cases.append(("sharded", "topk", 8192, 0.0, "sgd", "off", False))
+    # a floor per tensor in the one bucket
+    cases.append(("allgather", "topk", 512, 0.5, "sgd", "off", False))
+    # AdamW: its updates exchanged (exchange="auto"); with the time cost model, where every
+    # bucket may go dense and the job switches to Horovod's step (state averaged); and a
+    # checkpoint taken mid-run and loaded into a fresh optimizer (added after the H200 check
+    # of 2026-11-28: these paths had not run on a GPU)
+    cases.append(("allgather", "topk", 512, 0.0, "adamw", "off", False))
+    cases.append(("allgather", "topk", 512, 0.0, "adamw", "time", False))
+    cases.append(("allgather", "topk", 512, 0.0, "sgd", "off", True))
+    for collective, sparsifier, width, floor, base, cost, resumed in cases:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.ReLU(),
                                     torch.nn.Linear(width, 10)).to(device)
-        opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-            named_parameters=model.named_parameters(), density=0.01, cost_model="off",
-            min_sparse_numel=0, collective=collective, sparsifier=sparsifier,
-            layer_floor=floor, scope="model" if floor else "tensor")
+
+        def wrapped():
+            inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) \
+                if base == "sgd" else torch.optim.AdamW(model.parameters(), lr=1e-3)
+            return hvd.DistributedOptimizer(
+                inner, named_parameters=model.named_parameters(), density=0.01,
+                cost_model=cost, min_sparse_numel=0, collective=collective,
+                sparsifier=sparsifier, layer_floor=floor, scope="model" if floor else "tensor")
+
+        opt = wrapped()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         gen = torch.Generator().manual_seed(100 + rank)
-        for _ in range(50):
+        for step in range(50):
+            if resumed and step == 25:  # this rank's own state, into a fresh optimizer
+                saved = opt.state_dict()
+                opt = wrapped()
+                opt.load_state_dict(saved)
             x = torch.randn(32, 256, generator=gen).to(device)
             y = torch.randint(0, 10, (32,), generator=gen).to(device)
             opt.zero_grad()
@@ -164,10 +183,14 @@ def check_mpi(path):
             opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         digests = hvd.allgather_object(flat.numpy().tobytes())
-        runs[f"{collective}/{sparsifier}/width{width}" + (f"/floor{floor}" if floor else "")] = {
+        name = f"{collective}/{sparsifier}/width{width}" + (f"/floor{floor}" if floor else "")
+        if base != "sgd" or cost != "off" or resumed:
+            name += f"/{base}/cost-{cost}" + ("/resumed" if resumed else "")
+        stats = opt.communication_stats()
+        runs[name] = {
             "replicas_identical": all(d == digests[0] for d in digests),
             "finite": bool(torch.isfinite(flat).all()),
-            "stats": opt.communication_stats()}
+            "exchange": stats.get("exchange"), "stats": stats}
     same = all(r["replicas_identical"] and r["finite"] for r in runs.values())
     try:
         collectives = check_collectives(hvd, device)
@@ -188,7 +211,7 @@ def check_mpi(path):
               + ("all match" if right else "DIFFERENT: " + ", ".join(wrong)))
         for name, r in runs.items():
             print(f"mpi {name}: {size} ranks on one GPU, replicas identical: "
-                  f"{r['replicas_identical']}")
+                  f"{r['replicas_identical']}, exchange {r['exchange']}")
     return same and right
 
 
