@@ -50,15 +50,23 @@ def real(name, value, lo=None, hi=None, lo_open=False, hi_open=False) -> float:
 
 
 def whole(name, value, minimum=0) -> int:
-    """An int (a NumPy integer too; not a bool) of at least ``minimum``."""
+    """An int (a NumPy integer, or a float with no fraction such as ``3.0``; not a bool) of
+    at least ``minimum``."""
     value = plain_number(value)
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 
 
 def flag(name, value) -> bool:
-    """True or False (1 and 0, and NumPy's booleans, as Horovod takes them)."""
+    """True or False (1 and 0, NumPy's booleans and one-element bool tensors, as Horovod takes
+    them; None as False)."""
+    if value is None:
+        return False
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype == torch.bool:
+        return bool(value)
     value = plain_number(value)
     if value not in (True, False) or not isinstance(value, (bool, int)):
         raise TypeError(f"{name} must be True or False, got {value!r}")

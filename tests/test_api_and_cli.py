@@ -568,7 +568,7 @@ def test_mpi_front_end_refuses_another_launcher_and_takes_horovods_arguments(mpi
     (["--batch-size", "-4"], "--batch-size must be at least 1"),
     (["--dataset", "shakespeare", "--steps-per-epoch", "0"], "--steps-per-epoch must be at least 1"),
     (["--threads", "0"], "--threads must be at least 1"),
-    (["--ranks", "0"], "--ranks must be at least 1"),
+    (["--ranks", "-1"], "--ranks must be at least 0"),
     (["--lr", "-1"], "--lr must be at least 0"),
     (["--metrics", "/nonexistent-folder/m.jsonl"], "--metrics: the folder"),
 ])
@@ -614,3 +614,14 @@ def test_training_cli_takes_the_data_folder_it_was_given(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "nowhere" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_training_cli_benchmark_mode_reads_neither_epochs_nor_full_batches(tmp_path):
+    """--benchmark-steps times steps on whatever batches there are (partial ones included)
+    and never reads --epochs: the checks for a training run do not refuse it."""
+    proc = subprocess.run([sys.executable, "-m", "hvd_sparse.train", "--optimizer", "local",
+                           "--train-limit", "32", "--test-limit", "64", "--epochs", "0",
+                           "--benchmark-steps", "3"],
+                          env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["model"] == "cnn"

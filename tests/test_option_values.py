@@ -29,11 +29,11 @@ def _wrap(opt_cls=torch.optim.SGD, **kw):
     ({"gradient_predivide_factor": math.nan}, "gradient_predivide_factor"),
     ({"gradient_predivide_factor": math.inf}, "gradient_predivide_factor"),
     ({"track_error": "no"}, "track_error"),
-    ({"check_config": None}, "check_config"),
+    ({"check_config": "no"}, "check_config"),
     ({"deterministic_dense": 0.5}, "deterministic_dense"),
     ({"dense_fallback": "yes"}, "dense_fallback"),
     ({"local_clip_norm": True}, "local_clip_norm"),
-    ({"local_clip_norm": math.inf}, "local_clip_norm"),
+    ({"local_clip_norm": -1.0}, "local_clip_norm"),
     ({"local_steps": "2"}, "local_steps"),
     ({"local_steps": None}, "local_steps"),
     ({"backward_passes_per_step": "2"}, "backward_passes_per_step"),
@@ -62,6 +62,14 @@ def test_a_wrong_value_is_refused_when_the_optimizer_is_built(kw, match):
     {"backward_passes_per_step": np.int64(2)}, {"local_steps": np.int64(2)},
     {"gradient_predivide_factor": np.float32(2.0)}, {"track_error": np.True_},
     {"density": torch.tensor(0.05)},
+    # what was taken before and stays taken: infinity as "no clipping", None as False,
+    # whole floats, int-like seeds, a zero floor, options as pairs
+    {"local_clip_norm": math.inf}, {"track_error": None}, {"dense_fallback": None},
+    {"track_error": torch.tensor(True)},
+    {"sparsifier": "gaussiank", "sparsifier_options": {"max_passes": 5.0}},
+    {"sparsifier": "randomk", "sparsifier_options": {"seed": 3.0}},
+    {"sparsifier": "randomk", "sparsifier_options": [("seed", 3)]},
+    {"sparsifier": "adaptive", "min_density": 0.0, "total_steps": 10},
 ])
 def test_numpy_and_torch_scalars_are_taken_as_their_numbers(kw):
     m, opt = _wrap(**kw)

@@ -9,7 +9,6 @@ import copy
 import inspect
 import math
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -224,10 +223,11 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         raise ValueError("density_cooldown_steps needs total_steps, the run's length in "
                          "optimizer steps: the cool-down takes the last density_cooldown_steps "
                          "of it")
-    if sparsifier_options is not None and not isinstance(sparsifier_options, Mapping):
+    try:  # a dict, or what dict() takes (pairs)
+        method_options = dict(sparsifier_options or {})
+    except (TypeError, ValueError):
         raise TypeError("sparsifier_options must be a dict of the method's keywords, got "
-                        f"{sparsifier_options!r}")
-    method_options = dict(sparsifier_options or {})
+                        f"{sparsifier_options!r}") from None
     for key, value in (("threshold", threshold), ("min_density", min_density),
                        ("max_density", max_density)):
         if value is not None:
@@ -262,10 +262,11 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
     if local_clip_norm is not None:
         local_clip_norm = _plain_number(local_clip_norm)
         if isinstance(local_clip_norm, bool) or not isinstance(local_clip_norm, (int, float)) \
-                or not 0 < local_clip_norm < math.inf:
-            raise ValueError(f"local_clip_norm must be a positive finite number (or None), "
+                or not local_clip_norm > 0:
+            raise ValueError(f"local_clip_norm must be a positive number (or None), "
                              f"got {local_clip_norm!r}")
-        local_clip_norm = float(local_clip_norm)
+        # infinity: no clipping (torch's clip_grad_norm_ idiom), so none is done
+        local_clip_norm = None if local_clip_norm == math.inf else float(local_clip_norm)
     density_warmup_steps = _nonneg_int("density_warmup_steps", density_warmup_steps)
     dense_warmup_steps = _nonneg_int("dense_warmup_steps", dense_warmup_steps)
     local_steps = _nonneg_int("local_steps", local_steps, 1)

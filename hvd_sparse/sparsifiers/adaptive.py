@@ -75,7 +75,7 @@ class AdaptiveTopK(Sparsifier):
         self.total_steps = total_steps
         self.horizon = horizon
         self.min_density = None if min_density is None else validate.real(
-            "min_density", min_density, 0, 1, lo_open=True)
+            "min_density", min_density, 0, 1)
         self.max_density = None if max_density is None else validate.real(
             "max_density", max_density, 0, 1, lo_open=True)
         if None not in (self.min_density, self.max_density) \

@@ -22,10 +22,10 @@ class RandomK(Sparsifier):
     name = "randomk"
 
     def __init__(self, seed: int = 0):
-        seed = validate.plain_number(seed)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        self.seed = seed
+        try:  # what int() takes, as before: 3, 3.0, "3"
+            self.seed = int(validate.plain_number(seed))
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"seed must be an int, got {seed!r}") from None
 
     def select(self, acc, density, ctx):
         k = k_for_density(acc.numel(), density)

@@ -172,14 +172,18 @@ def check_args(parser, args) -> None:
         v = getattr(args, name)
         if v is not None and not 0.0 < v <= 1.0:
             parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {v}")
-    at_least = {"epochs": 1, "steps_per_epoch": 1, "batch_size": 1, "seq_len": 1,
-                "threads": 1, "ranks": 1, "benchmark_steps": 0, "warmup_steps": 0,
+    # (--epochs is not read when benchmarking, --steps-per-epoch only by the text sets,
+    # --ranks 0 is one process as before)
+    at_least = {"epochs": 0 if args.benchmark_steps else 1,
+                "steps_per_epoch": 1 if args.dataset != "fashion-mnist" else None,
+                "batch_size": 1, "seq_len": 1,
+                "threads": 1, "ranks": 0, "benchmark_steps": 0, "warmup_steps": 0,
                 "train_limit": 0, "test_limit": 0, "min_sparse_numel": 0,
                 "dense_warmup_steps": 0, "density_warmup_steps": 0,
                 "density_cooldown_steps": 0}
     for name, low in at_least.items():
         v = getattr(args, name)
-        if v is not None and v < low:
+        if low is not None and v is not None and v < low:
             parser.error(f"--{name.replace('_', '-')} must be at least {low}, got {v}")
     for name in ("lr", "weight_decay", "momentum"):
         v = getattr(args, name)
@@ -187,11 +191,9 @@ def check_args(parser, args) -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least 0, got {v}")
     if not 0.0 <= args.layer_floor <= 1.0:
         parser.error(f"--layer-floor must be in [0, 1], got {args.layer_floor}")
-    for name in ("metrics", "tensorboard"):
-        path = getattr(args, name)
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
-            parser.error(f"--{name}: the folder {folder} does not exist")
+    folder = os.path.dirname(os.path.abspath(args.metrics)) if args.metrics else None
+    if folder and not os.path.isdir(folder):  # (TensorBoard makes its own folders)
+        parser.error(f"--metrics: the folder {folder} does not exist")
     if args.tensorboard:
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401
@@ -388,11 +390,6 @@ def build_optimizer(args, model, base, hvd):
 
 def main(argv=None):
     args = parse_args(argv)
-    if hasattr(sys.stdout, "reconfigure"):
-        # one write per line: unbuffered (PYTHONUNBUFFERED, as launchers set it), print's
-        # text and newline went out apart, and mpirun's --tag-output tagged the newline
-        # ("... 1 s[1,0]<stdout>:")
-        sys.stdout.reconfigure(write_through=False, line_buffering=True)
     if args.ranks and not _launched() and args.optimizer != "local":
         _relaunch(args, argv)
     elif args.ranks and args.ranks > 1 and not _launched():
@@ -432,7 +429,7 @@ def main(argv=None):
     except FileNotFoundError as e:  # the data set is not installed: one line, every rank alike
         raise SystemExit(f"hvd_sparse.train: {e}") from None
     steps_per_epoch = work.steps_per_epoch(size)
-    if steps_per_epoch < 1:  # every rank finds the same: all leave alike
+    if steps_per_epoch < 1 and not args.benchmark_steps:  # every rank alike: all leave
         raise SystemExit(f"hvd_sparse.train: no full batch of {args.batch_size} per rank on "
                          f"{size} rank(s) in the training data (--train-limit "
                          f"{args.train_limit}): nothing to train")
@@ -621,4 +618,9 @@ def _benchmark(args, one_step, rank, size, n_params, opt, steps_per_epoch):
 
 
 if __name__ == "__main__":
+    if hasattr(sys.stdout, "reconfigure"):
+        # one write per line: unbuffered (PYTHONUNBUFFERED, as launchers set it), print's
+        # text and newline went out apart, and mpirun's --tag-output tagged the newline
+        # ("... 1 s[1,0]<stdout>:"); only as a program, not for a caller of main()
+        sys.stdout.reconfigure(write_through=False, line_buffering=True)
     main()
