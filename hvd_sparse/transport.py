@@ -186,27 +186,29 @@ class MPITransport(Transport):
         self._track(seq, req, (src, out))
         return ("gather", req, out, src, payload.dtype, payload.device, seq)
 
-    def _start(self):
-        """The number of the collective this rank starts now where the front end watches
-        ``comm`` for ranks that left (:class:`hvd_sparse.mpi_guard.PeerExitWatch`), else None."""
+    def _watch(self):
+        """The front end's watch over ``comm`` for ranks that left
+        (:class:`hvd_sparse.mpi_guard.PeerExitWatch`), or None where there is none."""
         from . import mpi_guard
 
-        w = mpi_guard.watch(self.comm)
+        return mpi_guard.watch(self.comm)
+
+    def _start(self):
+        """The number of the collective this rank starts now where ``comm`` is watched, else
+        None."""
+        w = self._watch()
         return None if w is None else w.post()
 
     def _track(self, seq, req, buffers) -> None:
-        from . import mpi_guard
-
-        w = mpi_guard.watch(self.comm) if seq is not None else None
+        w = self._watch() if seq is not None else None
         if w is not None:
             w.track(seq, req if isinstance(req, list) else [req], buffers)
 
     def _complete(self, req, seq) -> None:
-        """Wait for ``req`` (one request or a list), through the watch when there is one."""
-        from . import mpi_guard
-
+        """Wait for ``req`` (one request or a list), through the watch when there is one
+        (none where the collective started unwatched, or ``shutdown`` came in between)."""
         reqs = req if isinstance(req, list) else [req]
-        w = mpi_guard.watch(self.comm) if seq is not None else None
+        w = self._watch() if seq is not None else None
         if w is None:
             self.MPI.Request.Waitall(reqs)
         else:
