@@ -594,3 +594,26 @@ def test_unidirectional_engine_applies_a_merged_downlink_residual_once(exchange)
     after = m2.weight.detach().clone()
     zero_step(m2, opt2)
     assert torch.equal(m2.weight.detach(), after)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("stacked", [None, True, False])
+def test_finiteness_of_many_tensors_read_at_once_equals_one_by_one(device, stacked):
+    """The per-parameter NaN/Inf check of exchanged updates reads every gradient's verdict in
+    one host read on a GPU; each verdict must equal the tensor's own check, whatever the
+    dtype (half precision summed wide: 70,000 ones are finite) and wherever the bad entry."""
+    from hvd_sparse.engine.flat import all_finite, finite_each
+
+    g = torch.Generator().manual_seed(3)
+    tensors = []
+    for i, dtype in enumerate([torch.float32, torch.float16, torch.bfloat16, torch.float64] * 3):
+        t = torch.randn(50 + 7 * i, generator=g).to(dtype)
+        if i % 3 == 1:
+            t[i % t.numel()] = float("nan") if i % 2 else float("inf")
+        tensors.append(t.to(device))
+    tensors.append(torch.ones(70_000, dtype=torch.float16, device=device))
+    tensors.append(torch.full((3,), -float("inf"), device=device))
+    want = [all_finite(t) for t in tensors]
+    assert want.count(False) == 5
+    assert finite_each(tensors, stacked=stacked) == want
+    assert finite_each([], stacked=stacked) == []

@@ -1,5 +1,6 @@
 """Small tensor helpers the engine's parts share: a parameter's flat slice written in any
-memory layout, numpy views for the numba kernels, and a finiteness check in one read."""
+memory layout, copies of many pieces at once, numpy views for the numba kernels, and
+finiteness checks in one read."""
 from __future__ import annotations
 
 from typing import Optional
@@ -22,6 +23,17 @@ def write_flat(p: torch.Tensor, lo: int, hi: int, values: torch.Tensor) -> None:
     p.copy_(whole.view(p.shape))
 
 
+def copy_pieces(dsts, srcs) -> None:
+    """``d.copy_(s)`` for each pair: one multi-tensor launch on a GPU, where a launch per
+    parameter (98 for an 8-layer Transformer) costs more host time than the copies take on
+    the device; a plain loop on the CPU."""
+    if dsts and dsts[0].device.type != "cpu":
+        torch._foreach_copy_(dsts, srcs)
+    else:
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+
+
 def numpy_view(p) -> "Optional[np.ndarray]":
     """A flat numpy view of a contiguous CPU tensor of a dtype numpy has (it shares the
     tensor's memory), else None."""
@@ -41,3 +53,42 @@ def all_finite(t: torch.Tensor) -> bool:
     gradient entries of 1.0 read as non-finite (AdamW's local step skipped every step)."""
     wide = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None
     return bool(torch.isfinite(t.sum(dtype=wide)))
+
+
+def finite_each(tensors, stacked=None) -> list:
+    """``[all_finite(t) for t in tensors]`` with one host read per device instead of one per
+    tensor: on a GPU each read waits for the queue to drain (98 such waits per step for an
+    8-layer Transformer's parameters, 26 ms of a 65 ms step on an H200), so each dtype's
+    L1 norms come from one multi-tensor launch (half precision summed in float32, as
+    :func:`all_finite` does; a norm is finite exactly when every entry is, short of
+    overflowing) and are read together. ``stacked``: force (True) or refuse (False) that form
+    on every device; None, on all but the CPU."""
+    out = [True] * len(tensors)
+    groups = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, {}).setdefault(t.dtype, []).append(i)
+    for device, by_dtype in groups.items():
+        if not (stacked if stacked is not None else device.type != "cpu"):
+            # on the CPU no queue drains: the plain check, no stacking
+            for where in by_dtype.values():
+                for i in where:
+                    out[i] = all_finite(tensors[i])
+            continue
+        order, verdicts = [], []
+        for dtype, where in by_dtype.items():
+            wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+            norms = _l1_norms([tensors[i] for i in where], wide)
+            order += where
+            verdicts.append(torch.isfinite(torch.stack(norms)))
+        for i, ok in zip(order, torch.cat(verdicts).tolist()):
+            out[i] = ok
+    return out
+
+
+def _l1_norms(tensors, dtype):
+    """Each tensor's L1 norm (in ``dtype`` when given): one multi-tensor launch where torch
+    has ``_foreach_norm`` with a dtype, else a sum of magnitudes each."""
+    try:
+        return list(torch._foreach_norm(tensors, 1, dtype=dtype))
+    except (AttributeError, TypeError, RuntimeError):
+        return [t.abs().sum(dtype=dtype) for t in tensors]

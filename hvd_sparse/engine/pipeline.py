@@ -39,7 +39,7 @@ from ..stats import CommunicationStats
 from . import agreement, sharded
 from .calibration import LinkPricing
 from .config import EngineConfig
-from .flat import all_finite, write_flat
+from .flat import all_finite, copy_pieces, write_flat
 from .persistence import Checkpointing
 from .sharded import ShardedExchange
 from .stages import StageClock
@@ -974,10 +974,17 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             now, _ = cpu.scatter_add(anchor, idx, values.to(anchor.dtype), 1.0, read=True)
             values, zeroed = torch.from_numpy(now), True
         single = len(b.params) == 1
-        grouped = None
+        grouped = cuts = None
+        st = self.state[b.index]
         if not single and self._groups(b, ops, values):
-            edges = self.state[b.index].edges(b.offsets, b.numel)
-            grouped = cpu.group(idx, values, edges)
+            grouped = cpu.group(idx, values, st.edges(b.offsets, b.numel))
+        elif not single:  # idx is sorted: every parameter's range from one search, one read
+            cuts = torch.searchsorted(idx, st.edges_on(b.offsets, b.numel, idx)).tolist()
+        segs = [None if id(p) in sparse_ids
+                else (p.detach() if write == "delta" else p.grad).view(-1)[lo:hi]
+                for p, (lo, hi) in zip(b.params, b.slices)]
+        if not zeroed:
+            self._zero_all([s for s in segs if s is not None])
         for j, (p, off, (lo, hi)) in enumerate(zip(b.params, b.offsets, b.slices)):
             if single:
                 sub_idx, sub_val = idx, values
@@ -985,20 +992,27 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
                 a, e = grouped[2][j], grouped[2][j + 1]
                 sub_idx, sub_val = grouped[0][a:e], grouped[1][a:e]
             else:
-                bounds = torch.tensor([off, off + hi - lo], dtype=idx.dtype, device=idx.device)
-                a, e = torch.searchsorted(idx, bounds).tolist()
+                a, e = cuts[j], cuts[j + 1]
                 sub_idx, sub_val = idx[a:e] - off, values[a:e]
-            if id(p) in sparse_ids:  # handed back sparse, as Horovod's sparse_as_dense does
+            if segs[j] is None:  # handed back sparse, as Horovod's sparse_as_dense does
                 dense = p.grad.to_dense() if p.grad.is_sparse else p.grad
                 flat = dense.reshape(-1)
                 flat[lo:hi] = 0
                 flat[lo + sub_idx] = sub_val.to(p.dtype)
                 p.grad = self._sparse_again(dense)
                 continue
-            seg = (p.detach() if write == "delta" else p.grad).view(-1)[lo:hi]
-            if not zeroed:
-                stream.zero_(seg)
-            ops.set_at(seg, sub_idx, sub_val)
+            if single or a != e:
+                ops.set_at(segs[j], sub_idx, sub_val)
+
+    @staticmethod
+    def _zero_all(segs) -> None:
+        """Zero the parameters' segments: one multi-tensor launch on a GPU (a launch per
+        parameter costs more than the zeroing of a small one), streaming stores on the CPU."""
+        if segs and segs[0].device.type != "cpu":
+            torch._foreach_zero_(segs)
+        else:
+            for s in segs:
+                stream.zero_(s)
 
     def _sparse_again(self, dense):
         """A sparse gradient handed back in the layout Horovod's optimizer gives it: with
@@ -1103,9 +1117,14 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
 
     def _restore_anchor(self, b) -> None:
         anchor = self.state[b.index].anchor
+        whole = [(p, off, lo, hi) for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices)
+                 if p.is_contiguous()]  # the rest: write_flat's logical order
         with torch.no_grad():
+            copy_pieces([p.view(-1)[lo:hi] for p, _, lo, hi in whole],
+                        [anchor[off:off + hi - lo] for _, off, lo, hi in whole])
             for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
-                write_flat(p, lo, hi, anchor[off:off + hi - lo])
+                if not p.is_contiguous():
+                    write_flat(p, lo, hi, anchor[off:off + hi - lo])
 
     # ----------------------------------------------------------------- end of step
     def _end_step(self):

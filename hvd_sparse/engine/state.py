@@ -45,6 +45,7 @@ class BucketState:
     # swaps with the residual at the commit; not state: no information between steps
     spare: Optional[torch.Tensor] = None
     param_edges: Optional[np.ndarray] = None  # where each parameter starts, then the length
+    edges_tensor: Optional[torch.Tensor] = None  # the same on the selection's device
 
     @classmethod
     def for_bucket(cls, b, momentum_correction: float) -> "BucketState":
@@ -58,6 +59,15 @@ class BucketState:
         if self.param_edges is None:
             self.param_edges = np.array(list(offsets) + [numel], dtype=np.int64)
         return self.param_edges
+
+    def edges_on(self, offsets, numel, like: torch.Tensor) -> torch.Tensor:
+        """:meth:`edges` as a tensor of ``like``'s dtype on its device, kept across steps
+        (no host-to-device copy per step)."""
+        t = self.edges_tensor
+        if t is None or t.device != like.device or t.dtype != like.dtype:
+            t = torch.from_numpy(self.edges(offsets, numel)).to(like.device, like.dtype)
+            self.edges_tensor = t
+        return t
 
     def flat_buffer(self, numel, dtype, device) -> torch.Tensor:
         """A flat buffer kept across steps (no full-size allocation per step)."""

@@ -16,7 +16,7 @@ import torch
 
 from .. import aggregation, kernels, safety
 from ..kernels import cpu
-from .flat import all_finite, numpy_view, write_flat
+from .flat import copy_pieces, finite_each, numpy_view, write_flat
 
 #: received weight changes go straight into the anchor while they number at most 1/8 of the
 #: bucket: a random touch costs about as much as 20-30 sequential entries, and the full-length
@@ -56,6 +56,13 @@ class UpdateExchange:
         allocation per exchange)."""
         anchor = self.state[b.index].anchor
         out = self.state[b.index].flat_buffer(b.numel, anchor.dtype, anchor.device)
+        if anchor.device.type != "cpu" and len(b.params) > 1:
+            # a GPU: one multi-tensor copy and one subtraction, not a launch per parameter
+            # (two passes over the bucket where one would do: cheap next to the launches)
+            copy_pieces([out[off:off + hi - lo] for off, (lo, hi) in zip(b.offsets, b.slices)],
+                        [p.detach().reshape(-1)[lo:hi] for p, (lo, hi) in
+                         zip(b.params, b.slices)])
+            return out.sub_(anchor)
         for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
             n = hi - lo
             torch.sub(p.detach().reshape(-1)[lo:hi], anchor[off:off + n], out=out[off:off + n])
@@ -271,9 +278,9 @@ class UpdateExchange:
 
     def _nonfinite_gradients(self) -> list:
         """Names of this rank's parameters whose gradient holds NaN/Inf (one read of each)."""
-        return [n for b in self.buckets for n, p in zip(b.names, b.params)
-                if p.grad is not None and not all_finite(
-                    p.grad.coalesce().values() if p.grad.is_sparse else p.grad)]
+        named = [(n, p.grad.coalesce().values() if p.grad.is_sparse else p.grad)
+                 for b in self.buckets for n, p in zip(b.names, b.params) if p.grad is not None]
+        return [n for (n, _), ok in zip(named, finite_each([g for _, g in named])) if not ok]
 
     def agree_gradients_finite(self) -> None:
         """``synchronize()`` when updates are exchanged: one tiny allreduce says whether any
