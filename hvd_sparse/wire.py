@@ -255,7 +255,7 @@ def decode_all(buf: torch.Tensor, ranks: int, *, tag: int, numel: int, bucket: s
     Golomb walk costs about a nanosecond per bit), and checked like the others.
     """
     read = _host_reader(buf)
-    payloads, offset = [], 0
+    payloads, offset, checks = [], 0, []
     me, mine = own if own is not None else (-1, None)
     for r in range(ranks):
         try:
@@ -270,24 +270,33 @@ def decode_all(buf: torch.Tensor, ranks: int, *, tag: int, numel: int, bucket: s
                 "bucketing options")
         idx = payload.indices
         if idx.numel():  # this rank's own too: a user's method may break the contract
-            # positions must be in range, ascending and unique (the scatter relies on it);
-            # first, last and order come back in one read
-            ordered = (idx[1:] > idx[:-1]).all() if idx.numel() > 1 else \
-                torch.ones((), dtype=torch.bool, device=idx.device)
-            checks = [idx[0], idx[-1], ordered.to(idx.dtype)]
-            if payload.complete is not None:
-                checks.append(payload.complete.to(idx.dtype))
-            first, last, ok, *whole = torch.stack(checks).tolist()
-            if whole and not whole[0]:
-                raise PayloadError(f"rank {r}'s payload for bucket '{bucket}': corrupt "
-                                   "Golomb-Rice positions (the stream ends early)")
-            if first < 0 or last >= numel:
-                raise PayloadError(f"rank {r} sent an index outside bucket '{bucket}' "
-                                   f"(0..{numel - 1})")
-            if not ok:
-                raise PayloadError(f"rank {r} sent unsorted or repeated indices for bucket "
-                                   f"'{bucket}'")
+            # positions must be in range, ascending and unique (the scatter relies on it):
+            # first, last, order and the Golomb stream's completeness, for every payload
+            # in one read (on a device each read waits for the queue to drain)
+            yes = torch.ones((), dtype=torch.bool, device=idx.device)
+            ordered = (idx[1:] > idx[:-1]).all() if idx.numel() > 1 else yes
+            whole = payload.complete if payload.complete is not None else yes
+            checks.append((r, torch.stack([idx[0], idx[-1], ordered.to(idx.dtype),
+                                           whole.to(idx.dtype)])))
         payloads.append(payload)
+    by_device = {}
+    for r, c in checks:
+        by_device.setdefault(c.device, []).append((r, c))
+    verdicts = {}
+    for group in by_device.values():
+        for (r, _), got in zip(group, torch.stack([c for _, c in group]).tolist()):
+            verdicts[r] = got
+    for r in sorted(verdicts):
+        first, last, ok, whole = verdicts[r]
+        if not whole:
+            raise PayloadError(f"rank {r}'s payload for bucket '{bucket}': corrupt "
+                               "Golomb-Rice positions (the stream ends early)")
+        if first < 0 or last >= numel:
+            raise PayloadError(f"rank {r} sent an index outside bucket '{bucket}' "
+                               f"(0..{numel - 1})")
+        if not ok:
+            raise PayloadError(f"rank {r} sent unsorted or repeated indices for bucket "
+                               f"'{bucket}'")
     if offset != buf.numel():
         raise PayloadError(f"{buf.numel() - offset} unexplained bytes after {ranks} payloads "
                            f"for bucket '{bucket}': the ranks disagree on the world size")

@@ -182,6 +182,18 @@ def test_malformed_payloads_end_in_payload_error_naming_rank_and_bucket(case, ma
     assert "rank 1" in str(e.value) and "'b'" in str(e.value)
 
 
+def test_the_first_rank_with_bad_positions_is_named_when_several_are_bad():
+    """The position checks of all payloads come back in one read (one wait on a device);
+    the error still names the lowest bad rank, as when each was read in turn."""
+    good = _payload([1, 5, 9], [1.0, 2.0, 3.0])
+    unsorted = _payload([5, 1, 9], [1.0, 2.0, 3.0])
+    outside = _payload([1, 5, 150], [1.0, 2.0, 3.0])
+    with pytest.raises(wire.PayloadError, match="rank 1 sent unsorted"):
+        _decode(torch.cat([good, unsorted, outside]), ranks=3)
+    with pytest.raises(wire.PayloadError, match="rank 0 sent an index outside"):
+        _decode(torch.cat([outside, unsorted, good]), ranks=3)
+
+
 def test_flagged_empty_constant_payload_round_trips():
     """SBC's payload when its gradient held NaN: no positions, no mean, the flag set."""
     buf = _payload([], [], constant=True, nonfinite=True)
