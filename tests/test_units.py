@@ -613,7 +613,11 @@ def test_finiteness_of_many_tensors_read_at_once_equals_one_by_one(device, stack
         tensors.append(t.to(device))
     tensors.append(torch.ones(70_000, dtype=torch.float16, device=device))
     tensors.append(torch.full((3,), -float("inf"), device=device))
+    # huge entries whose signs cancel: finite (a sum of magnitudes would overflow)
+    tensors.append(torch.tensor([3e38, -3e38], device=device))
+    tensors.append(torch.tensor([1e308, -1e308], dtype=torch.float64, device=device))
+    tensors.append(torch.tensor([3e38, -3e38], dtype=torch.bfloat16, device=device))
     want = [all_finite(t) for t in tensors]
-    assert want.count(False) == 5
+    assert want.count(False) == 5 and all(want[-3:])
     assert finite_each(tensors, stacked=stacked) == want
     assert finite_each([], stacked=stacked) == []
