@@ -4,8 +4,9 @@
 # the selection benchmark (against torch.topk and a device copy floor), the two exact Top-K
 # forms against each other (benchmarks/topk_paths.py), the engine benchmark,
 # and a 2-process run on the one GPU over the mpi4py transport (the optimizer's replicas, then
-# hvd_sparse.mpi's collectives and SyncBatchNorm on CUDA against CPU). JSON results and the whole
-# log (gpu_check.log) go to $OUT when it is set (the device tool: six files, its limit is eight;
+# hvd_sparse.mpi's collectives and SyncBatchNorm on CUDA against CPU), then a whole training
+# step (benchmarks/gpu_step.py, and benchmarks/profile_gpu_step.py's tables). JSON results and
+# the whole log (gpu_check.log) go to $OUT when it is set (the device tool: eight files, its limit;
 # draw the PNGs here afterwards), else benchmarks/results/. Each step has a time limit
 # (GPU_CHECK_STEP_S, default 150 s) so that one hang cannot eat a lease. Exits non-zero when a
 # check fails.
@@ -58,6 +59,17 @@ else
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
     $LIMIT "$LAUNCH" $extra -np 2 "$PY" benchmarks/gpu_check.py mpi "$DEST/gpu_mpi.json" \
     || status=1
+fi
+
+echo "== 5. a whole training step: scopes against the no-exchange floor, and where it goes"
+if [ -n "$LAUNCH" ]; then
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $LIMIT "$LAUNCH" $extra -np 2 \
+    "$PY" benchmarks/gpu_step.py --variants floor sparse_tensor sparse_model sparse_bucket \
+    --out "$DEST/gpu_step_cuda.json" || status=1
+  # the tables only (the stall counts are in the log): the device tool returns eight files
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $LIMIT "$LAUNCH" $extra -np 2 \
+    "$PY" benchmarks/profile_gpu_step.py --variant sparse_model --out "$DEST" || status=1
+  rm -f "$DEST"/profile_gpu_step_*.json
 fi
 echo "gpu_check: $([ $status = 0 ] && echo all checks passed || echo SOME CHECKS FAILED)"
 exit $status
