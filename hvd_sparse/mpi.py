@@ -41,7 +41,7 @@ from .mpi_collectives import (  # noqa: F401 - Horovod's names
     rocm_built, start_timeline, stop_timeline, synchronize)
 from . import mpi_collectives
 from .mpi_guard import HorovodInternalError  # noqa: F401 - Horovod's name
-from .mpi_guard import agree, check_root, describe, missing_name, watched
+from .mpi_guard import agree, check_root, describe, missing_name, named, watched
 from . import mpi_guard
 from .sync_batch_norm import SyncBatchNorm  # noqa: F401 - Horovod's name
 
@@ -201,7 +201,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     _global_only(process_set)
     root_rank = _check_root(root_rank)
     comm = _c()
-    agree(comm, "broadcast_object", root=root_rank)
+    agree(comm, "broadcast_object", root=root_rank, **named(name))
     data = pickle.dumps(obj) \
         if comm.Get_rank() == root_rank else b""
     size = np.array([len(data)], dtype=np.int64)
@@ -220,7 +220,7 @@ def allgather_object(obj, name=None, process_set=None):
 
     _global_only(process_set)
     comm = _c()
-    agree(comm, "allgather_object")
+    agree(comm, "allgather_object", **named(name))
     mine = pickle.dumps(obj)
     sizes = np.empty(comm.Get_size(), dtype=np.int64)
     watched(comm, lambda: comm.Iallgather(np.array([len(mine)], dtype=np.int64), sizes))
@@ -295,8 +295,10 @@ def _sum(tensor, op, name, prescale, postscale):
     """The reduction itself: floats through the transport; integers summed exactly, their
     average truncated toward zero as Horovod's (its scale by 1/size cast back to the type).
     Every rank must start it alike (:func:`hvd_sparse.mpi_guard.agree`)."""
+    if tensor.is_complex():  # the integer path below would drop the imaginary part
+        raise ValueError(f"Tensor type {tensor.type()} is not supported")  # Horovod's words
     agree(_c(), "allreduce", **describe(tensor, op=int(op), prescale=float(prescale),
-                                        postscale=float(postscale)))
+                                        postscale=float(postscale)), **named(name))
     if op != compat.Average and op != compat.Sum or not tensor.dtype.is_floating_point \
             and (prescale != 1.0 or postscale != 1.0 or tensor.dtype == torch.bool):
         return mpi_collectives.reduce_blocking(tensor, op, prescale, postscale)
@@ -355,10 +357,10 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                                  postscale_factor))
 
 
-def _broadcast_into(tensor, root_rank, check=True):
+def _broadcast_into(tensor, root_rank, check=True, name=None):
     root_rank = _check_root(root_rank)
     if check:
-        agree(_c(), "broadcast", **describe(tensor, root=root_rank))
+        agree(_c(), "broadcast", **describe(tensor, root=root_rank), **named(name))
     host = tensor.detach().cpu().contiguous().clone()
     if host.numel():
         _bcast_bytes(host.reshape(-1).view(torch.uint8).numpy(), root_rank)
@@ -369,7 +371,7 @@ def _broadcast_into(tensor, root_rank, check=True):
 def broadcast_(tensor, root_rank=0, name=None, process_set=None):
     """Rank ``root_rank``'s ``tensor`` copied into ``tensor`` on every rank (returned)."""
     _global_only(process_set)
-    return _broadcast_into(tensor, root_rank)
+    return _broadcast_into(tensor, root_rank, name=name)
 
 
 _Broadcast = compat.differentiable_broadcast(
@@ -391,7 +393,7 @@ class _Allgather(torch.autograd.Function):
         t = MPITransport(_c())
         src = tensor.detach().contiguous()
         agree(_c(), "allgather", dtype=str(src.dtype), dims=src.dim(),
-              trailing_shape=tuple(src.shape[1:]))
+              trailing_shape=tuple(src.shape[1:]), **named(name))
         ctx.rows = src.shape[0] if src.dim() else 1
         flat = t.wait(t.allgather_async(src.reshape(-1), name))
         return flat.view(-1, *src.shape[1:])

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import compat
-from .mpi_guard import agree, describe, watched
+from .mpi_guard import agree, describe, named, watched
 
 try:  # pragma: no branch
     from horovod.torch.mpi_ops import Max, Min, Product  # noqa: F401
@@ -46,19 +46,40 @@ def _transport():
 # ----------------------------------------------------------------------- handles
 class _Pending:
     """One started operation: ``test()`` says whether it completed, ``finish()`` returns its
-    result (waiting if needed)."""
+    result (waiting if needed); ``name``: the name the user gave it, taken until then."""
 
-    def __init__(self, test, finish):
-        self.test, self.finish = test, finish
+    def __init__(self, test, finish, name=None):
+        self.test, self.finish, self.name = test, finish, name
 
 
 _handles = {}
 _numbers = itertools.count(1)
+_names_taken = {}  # a name the user gave an operation not yet synchronized -> its handle
 
 
-def _register(test, finish) -> int:
+def _free_name(what, name):
+    """Refuse a ``name=`` that an operation not yet synchronized holds, as Horovod refuses a
+    tensor named like one it is still processing (checked before anything starts: every
+    rank runs the same calls, so every rank refuses alike)."""
+    if name is not None and str(name) in _names_taken:
+        raise ValueError(f"Requested to {what} a tensor with the same name as another tensor "
+                         f"that is currently being processed ('{name}'). If you want to "
+                         "request another tensor, use a different tensor name.")
+
+
+def _register(test, finish, name=None) -> int:
     handle = next(_numbers)
-    _handles[handle] = _Pending(test, finish)
+    _handles[handle] = _Pending(test, finish, None if name is None else str(name))
+    if name is not None:
+        _names_taken[str(name)] = handle
+    return handle
+
+
+def _claim(handle, name) -> int:
+    """Hold ``name`` for ``handle`` until it is synchronized (:func:`_free_name`)."""
+    if name is not None:
+        _handles[handle].name = str(name)
+        _names_taken[str(name)] = handle
     return handle
 
 
@@ -81,6 +102,8 @@ def synchronize(handle):
     pending = _handles.pop(handle, None)
     if pending is None:
         return None
+    if pending.name is not None and _names_taken.get(pending.name) == handle:
+        del _names_taken[pending.name]
     return pending.finish()
 
 
@@ -162,8 +185,10 @@ def _allreduce_start(tensor, name, op, prescale, postscale, into=None) -> int:
     """Start one allreduce; non-blocking for float averages and sums. ``into``: the tensor the
     result is written into (the in-place forms)."""
     op = check_op(op)
+    if tensor.is_complex():
+        raise ValueError(f"Tensor type {tensor.type()} is not supported")  # Horovod's words
     agree(_mpi()._c(), "allreduce", **describe(tensor, op=int(op), prescale=float(prescale),
-                                               postscale=float(postscale)))
+                                               postscale=float(postscale)), **named(name))
 
     def deliver(out):
         if into is None:
@@ -186,8 +211,9 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     """Start :func:`hvd_sparse.mpi.allreduce`; a handle for :func:`poll` and :func:`synchronize`."""
     mpi = _mpi()
     mpi._global_only(process_set)
-    return _allreduce_start(tensor, name, mpi._reduce_op(op, average), prescale_factor,
-                            postscale_factor)
+    _free_name("allreduce", name)
+    return _claim(_allreduce_start(tensor, name, mpi._reduce_op(op, average), prescale_factor,
+                                   postscale_factor), name)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -195,8 +221,9 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     """:func:`allreduce_async` whose result is written into ``tensor``."""
     mpi = _mpi()
     mpi._global_only(process_set)
-    return _allreduce_start(tensor, name, mpi._reduce_op(op, average), prescale_factor,
-                            postscale_factor, into=tensor)
+    _free_name("allreduce", name)
+    return _claim(_allreduce_start(tensor, name, mpi._reduce_op(op, average), prescale_factor,
+                                   postscale_factor, into=tensor), name)
 
 
 def _group(what, tensors) -> list:
@@ -207,12 +234,13 @@ def _group(what, tensors) -> list:
 
 
 def _grouped_start(tensors, name, op, prescale, postscale, in_place) -> int:
+    _free_name("allreduce", name)
     tensors = _group("grouped_allreduce", tensors)
     handles = [_allreduce_start(t, f"{name or 'grouped_allreduce'}.{i}", op, prescale,
                                 postscale, into=t if in_place else None)
                for i, t in enumerate(tensors)]
     return _register(lambda: all(poll(h) for h in handles),
-                     lambda: [synchronize(h) for h in handles])
+                     lambda: tuple(synchronize(h) for h in handles), name)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -252,10 +280,15 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 def allgather_async(tensor, name=None, process_set=None) -> int:
     """Start :func:`hvd_sparse.mpi.allgather` (rows concatenated in rank order)."""
     _mpi()._global_only(process_set)
+    return _claim(_allgather_start(tensor, name), name)
+
+
+def _allgather_start(tensor, name) -> int:
+    _free_name("allgather", name)
     t = _transport()
     src = tensor.detach().contiguous()
     agree(t.comm, "allgather", dtype=str(src.dtype), dims=src.dim(),
-          trailing_shape=tuple(src.shape[1:]))
+          trailing_shape=tuple(src.shape[1:]), **named(name))
     h = t.allgather_async(src.reshape(-1), name or "allgather")
     return _register(lambda: _requests_test(h),
                      lambda: t.wait(h).view(-1, *src.shape[1:]))
@@ -264,28 +297,33 @@ def allgather_async(tensor, name=None, process_set=None) -> int:
 def grouped_allgather(tensors, name=None, process_set=None):
     mpi = _mpi()
     tensors = _group("grouped_allgather", tensors)
-    return [mpi.allgather(t, name=f"{name or 'grouped_allgather'}.{i}", process_set=process_set)
-            for i, t in enumerate(tensors)]
+    return tuple(mpi.allgather(t, name=f"{name or 'grouped_allgather'}.{i}",
+                               process_set=process_set) for i, t in enumerate(tensors))
 
 
 def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
+    _mpi()._global_only(process_set)
+    _free_name("allgather", name)
     tensors = _group("grouped_allgather", tensors)
-    handles = [allgather_async(t, f"{name or 'grouped_allgather'}.{i}", process_set)
+    handles = [_allgather_start(t, f"{name or 'grouped_allgather'}.{i}")
                for i, t in enumerate(tensors)]
     return _register(lambda: all(poll(h) for h in handles),
-                     lambda: [synchronize(h) for h in handles])
+                     lambda: tuple(synchronize(h) for h in handles), name)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
     mpi = _mpi()
     mpi._global_only(process_set)
-    return _done(mpi._broadcast_into(tensor.detach().clone(), root_rank))
+    _free_name("broadcast", name)
+    return _claim(_done(mpi._broadcast_into(tensor.detach().clone(), root_rank, name=name)),
+                  name)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
     mpi = _mpi()
     mpi._global_only(process_set)
-    return _done(mpi._broadcast_into(tensor, root_rank))
+    _free_name("broadcast", name)
+    return _claim(_done(mpi._broadcast_into(tensor, root_rank, name=name)), name)
 
 
 # ----------------------------------------------------------------------- all-to-all
@@ -300,7 +338,7 @@ def _alltoall_start(tensor, splits, name):
     from each rank))."""
     size = _mpi().size()
     agree(_mpi()._c(), "alltoall", dtype=str(tensor.dtype), dims=tensor.dim(),
-          trailing_shape=tuple(tensor.shape[1:]), splits=splits is not None)
+          trailing_shape=tuple(tensor.shape[1:]), splits=splits is not None, **named(name))
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor of at least one dimension")
     src = tensor.detach().contiguous()
@@ -361,18 +399,19 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
 def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
     """Start :func:`alltoall`; :func:`synchronize` gives (output, received splits)."""
     _mpi()._global_only(process_set)
+    _free_name("alltoall", name)
     h, finish = _alltoall_start(tensor, splits, name)
-    return _register(lambda: _requests_test(h), finish)
+    return _register(lambda: _requests_test(h), finish, name)
 
 
 # ----------------------------------------------------------------------- reduce-scatter
-def _reducescatter_blocking(tensor, op, prescale, postscale):
+def _reducescatter_blocking(tensor, op, prescale, postscale, name=None):
     """The reduction of ``tensor`` over ranks, this rank's rows of it (Horovod's split: equal
     parts of the first dimension, the first ranks one row more)."""
     mpi = _mpi()
     comm, size, rank = mpi._c(), mpi.size(), mpi.rank()
     agree(comm, "reducescatter", **describe(tensor, op=int(op), prescale=float(prescale),
-                                            postscale=float(postscale)))
+                                            postscale=float(postscale)), **named(name))
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor of at least one dimension")
     rows = _even_splits(tensor.shape[0], size)
@@ -396,16 +435,16 @@ class _Reducescatter(torch.autograd.Function):
     times the scale factors)."""
 
     @staticmethod
-    def forward(ctx, tensor, op, prescale, postscale):
+    def forward(ctx, tensor, op, prescale, postscale, name=None):
         ctx.args = (op, prescale, postscale)
-        return _reducescatter_blocking(tensor.detach(), op, prescale, postscale)
+        return _reducescatter_blocking(tensor.detach(), op, prescale, postscale, name)
 
     @staticmethod
     def backward(ctx, grad):
         op, prescale, postscale = ctx.args
         grad = grad * (_mpi().size() * prescale * postscale if op == compat.Sum
                        else prescale * postscale)
-        return _mpi().allgather(grad, name="reducescatter.grad"), None, None, None
+        return _mpi().allgather(grad, name="reducescatter.grad"), None, None, None, None
 
 
 def _reducescatter_op(op):
@@ -422,15 +461,16 @@ def reducescatter(tensor, name=None, compression=compat.Compression.none, op=com
     _mpi()._global_only(process_set)
     op = _reducescatter_op(op)
     packed, ctx = compression.compress(tensor)
-    out = _Reducescatter.apply(packed, op, prescale_factor, postscale_factor)
+    out = _Reducescatter.apply(packed, op, prescale_factor, postscale_factor, name)
     return compression.decompress(out, ctx)
 
 
 def reducescatter_async(tensor, name=None, op=compat.Average, process_set=None,
                         prescale_factor=1.0, postscale_factor=1.0) -> int:
     _mpi()._global_only(process_set)
-    return _done(_reducescatter_blocking(tensor, _reducescatter_op(op), prescale_factor,
-                                         postscale_factor))
+    _free_name("reducescatter", name)
+    return _claim(_done(_reducescatter_blocking(tensor, _reducescatter_op(op), prescale_factor,
+                                                postscale_factor, name)), name)
 
 
 def grouped_reducescatter(tensors, name=None, compression=compat.Compression.none,
@@ -445,9 +485,11 @@ def grouped_reducescatter_async(tensors, name=None, op=compat.Average, process_s
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
     _mpi()._global_only(process_set)
     op = _reducescatter_op(op)
+    _free_name("reducescatter", name)
     tensors = _group("grouped_reducescatter", tensors)
-    return _done([_reducescatter_blocking(t, op, prescale_factor, postscale_factor)
-                  for t in tensors])
+    return _claim(_done(tuple(_reducescatter_blocking(t, op, prescale_factor, postscale_factor,
+                                                      None if name is None else f"{name}.{i}")
+                              for i, t in enumerate(tensors))), name)
 
 
 # ----------------------------------------------------------------------- join and queries

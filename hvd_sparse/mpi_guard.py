@@ -74,6 +74,13 @@ def describe(tensor, **more) -> dict:
     return {"dtype": str(tensor.dtype), "shape": tuple(tensor.shape), **more}
 
 
+def named(name) -> dict:
+    """The ``name=`` a user gave a collective, as a field every rank must agree on: MPI
+    matches collectives by call order, so ranks that started differently named ones in a
+    different order would silently swap their results (Horovod matches them by name)."""
+    return {} if name is None else {"name": str(name)}
+
+
 def agree(comm, what: str, **fields) -> None:
     """Raise :class:`HorovodInternalError` on every rank unless every rank of ``comm`` is
     starting the collective ``what`` with the same ``fields``: 16-byte digests go first, in one

@@ -349,6 +349,29 @@ def test_more_collectives_answer_as_horovods(dropin):
         assert r["more_after_mismatches"] == [float(n * (n + 1) // 2)]
 
 
+def test_collectives_at_their_edges_answer_as_horovods(dropin):
+    """A complex allreduce is refused in every form (hvd_sparse.mpi summed it as integers,
+    dropping the imaginary part); a name in use by an unsynchronized operation is refused
+    and free again after ``synchronize``; the grouped forms return Horovod's types; async
+    collectives started in a different order on each rank come back under their own names
+    (Horovod) or fail on every rank (MPI matches by call order: they were silently swapped)."""
+    n = len(dropin)
+    for r in dropin:
+        assert r["names_complex_sync"] == r["names_complex_async"] == "ValueError"
+        assert r["names_complex_grouped"] == "ValueError"
+        # (Horovod refuses it while the first is still in its queue: a race it usually loses)
+        assert r["names_duplicate"] == "ValueError" or r["names_backend"] == "horovod"
+        assert r["names_reused"] == [float(1)] * 3
+        assert r["names_types"] == {
+            "grouped_allreduce": "list", "grouped_allreduce_": "tuple",
+            "grouped_allreduce_async": "tuple", "grouped_allgather": "tuple",
+            "grouped_allgather_async": "tuple", "grouped_reducescatter": "list",
+            "grouped_reducescatter_async": "tuple"}
+        assert r["names_order"] in ("HorovodInternalError", r["names_order_want"])
+        assert r["names_after"] == [float(n)]
+    assert len({isinstance(r["names_order"], str) for r in dropin}) == 1  # all fail, or none
+
+
 def test_mpi_sync_batch_norm_is_one_batch_norm_over_all_ranks(dropin):
     """hvd_sparse.mpi.SyncBatchNorm (ranks' batches of different sizes) against one
     BatchNorm1d over the batches put together: outputs, input gradients, summed parameter

@@ -994,6 +994,57 @@ def scenario_more_collectives(res):
     hvd.allreduce(torch.ones(1), name="more.after")  # still in step with the others
 
 
+def scenario_names_types_and_complex(res):
+    """What a Horovod user meets at the edges of the collectives (under Horovod its own
+    functions, the reference): a complex allreduce refused (not summed with its imaginary
+    part dropped), a name still in use refused, the grouped forms' result types, and async
+    collectives started in another order on each rank coming back under their own names or
+    failing, never swapped."""
+    r, n = hvd.rank(), hvd.size()
+    res["names_backend"] = BACKEND
+    z = torch.tensor([1 + 2j, 3 - 1j]) * (r + 1)
+    for how, call in (("sync", lambda: hvd.allreduce(z, op=hvd.Sum)),
+                      ("async", lambda: hvd.synchronize(hvd.allreduce_async(z, op=hvd.Sum))),
+                      ("grouped", lambda: hvd.grouped_allreduce([z], op=hvd.Sum))):
+        try:
+            res[f"names_complex_{how}"] = [str(v) for v in call()[0:2].tolist()] \
+                if how != "grouped" else [str(v) for v in call()[0].tolist()]
+        except Exception as e:  # noqa: BLE001 - the type is what is checked
+            res[f"names_complex_{how}"] = type(e).__name__
+    h = hvd.allreduce_async(torch.ones(3), name="names.dup")
+    try:
+        h2 = hvd.allreduce_async(torch.ones(3), name="names.dup")
+        hvd.synchronize(h2)
+        res["names_duplicate"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is what is checked
+        res["names_duplicate"] = type(e).__name__
+    hvd.synchronize(h)
+    h = hvd.allreduce_async(torch.ones(3), name="names.dup")  # free again once synchronized
+    res["names_reused"] = hvd.synchronize(h).tolist()
+    pair = [torch.ones(2), torch.ones(3)]
+    res["names_types"] = {
+        "grouped_allreduce": type(hvd.grouped_allreduce(pair)).__name__,
+        "grouped_allreduce_": type(hvd.grouped_allreduce_([t.clone() for t in pair])).__name__,
+        "grouped_allreduce_async": type(hvd.synchronize(
+            hvd.grouped_allreduce_async(pair))).__name__,
+        "grouped_allgather": type(hvd.grouped_allgather(pair)).__name__,
+        "grouped_allgather_async": type(hvd.synchronize(
+            hvd.grouped_allgather_async(pair))).__name__,
+        "grouped_reducescatter": type(hvd.grouped_reducescatter(pair)).__name__,
+        "grouped_reducescatter_async": type(hvd.synchronize(
+            hvd.grouped_reducescatter_async(pair))).__name__}
+    a, b = torch.full((2,), 1.0 + r), torch.full((2,), 100.0 * (r + 1))
+    order = [("names.A", a), ("names.B", b)] if r == 0 else [("names.B", b), ("names.A", a)]
+    try:
+        handles = {nm: hvd.allreduce_async(t, name=nm, op=hvd.Sum) for nm, t in order}
+        res["names_order"] = {nm: hvd.synchronize(hd).tolist() for nm, hd in handles.items()}
+    except hvd.HorovodInternalError:
+        res["names_order"] = "HorovodInternalError"
+    res["names_order_want"] = {"names.A": [float(n * (n + 1) / 2)] * 2,
+                               "names.B": [100.0 * n * (n + 1) / 2] * 2}
+    res["names_after"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="names.after").tolist()
+
+
 def scenario_sync_batch_norm(res):
     """hvd_sparse.mpi's SyncBatchNorm against one BatchNorm over every rank's batch put
     together: outputs, input and parameter gradients of the sum of all ranks' losses, running
@@ -1090,7 +1141,8 @@ SCENARIOS = [scenario_update_exchange, scenario_adam_all_dense_takes_horovods_st
              scenario_sparse_embedding, scenario_sparse_embedding_unused_on_one_rank,
              scenario_memory_layouts, scenario_bfloat16_dense_tensor,
              scenario_step_with_closure, scenario_checkpoint_loads_weights_only,
-             scenario_collective_helpers, scenario_more_collectives, scenario_sync_batch_norm,
+             scenario_collective_helpers, scenario_more_collectives,
+             scenario_names_types_and_complex, scenario_sync_batch_norm,
              scenario_two_optimizers_in_rank_order]
 
 
