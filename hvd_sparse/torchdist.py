@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .compat import Average, Compression, Sum  # noqa: F401 - Horovod's names, Compression too
 from . import compat
 from .mpi_collectives import Max, Min, Product  # noqa: F401 - Horovod's values
-from .mpi_guard import HorovodInternalError, check_root, missing_name
+from .mpi_guard import HorovodInternalError, check_root, missing_name, named
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
 from .state_broadcast import broadcast_state_as_object
 from .torch_transport import TorchDistributedTransport
@@ -221,7 +221,7 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
         raise ValueError(f"op={op!r}: hvd_sparse.torchdist reduces with Average, Sum, Min, "
                          "Max or Product")
     _agree("allreduce", dtype=str(tensor.dtype), shape=tuple(tensor.shape), op=str(op),
-           prescale=float(prescale_factor), postscale=float(postscale_factor))
+           prescale=float(prescale_factor), postscale=float(postscale_factor), **named(name))
     packed, ctx = (compression or Compression.none).compress(tensor)
     if packed.requires_grad and op in (Average, Sum) and torch.is_grad_enabled():
         out = _Allreduce.apply(packed, op, prescale_factor, postscale_factor)
@@ -271,7 +271,7 @@ def allgather(tensor, name=None, process_set=None):
     _group()
     _global_only(process_set)
     _agree("allgather", dtype=str(tensor.dtype), dims=tensor.dim(),
-           trailing_shape=tuple(tensor.shape[1:]))
+           trailing_shape=tuple(tensor.shape[1:]), **named(name))
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Allgather.apply(tensor)
     return _gather(tensor)
@@ -282,7 +282,8 @@ def broadcast_(tensor, root_rank=0, name=None, process_set=None):
     _group()
     _global_only(process_set)
     root_rank = _check_root(root_rank)
-    _agree("broadcast", dtype=str(tensor.dtype), shape=tuple(tensor.shape), root=root_rank)
+    _agree("broadcast", dtype=str(tensor.dtype), shape=tuple(tensor.shape), root=root_rank,
+           **named(name))
     with torch.no_grad():
         work = tensor.detach().to(_device()).contiguous()  # the tensor itself where it can be
         dist.broadcast(work, src=root_rank)

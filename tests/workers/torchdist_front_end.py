@@ -103,6 +103,13 @@ def main(outdir):
             mismatched["allgather"] = None
         except hvd.HorovodInternalError as e:
             mismatched["allgather"] = str(e)[:60]
+        a, b = torch.full((2,), 1.0 + rank), torch.full((2,), 100.0 * (rank + 1))
+        try:  # equal shapes in another order on each rank: refused by name, never swapped
+            pairs = [("td.A", a), ("td.B", b)] if rank == 0 else [("td.B", b), ("td.A", a)]
+            [hvd.allreduce(t, name=n, op=hvd.Sum) for n, t in pairs]
+            mismatched["names"] = None
+        except hvd.HorovodInternalError as e:
+            mismatched["names"] = str(e)[:60]
         res["mismatched"] = mismatched
         try:
             hvd.allreduce(t, average=True, op=hvd.Sum)
