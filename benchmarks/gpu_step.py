@@ -68,6 +68,20 @@ def variant(name, model, lr=1e-3):
                                     density=0.01, **extra)
 
 
+def setup(args):
+    """``hvd.init()``, this rank's device, a device synchronisation, and this rank's batch
+    (its own data, as data parallelism gives each rank)."""
+    hvd.init()
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    x = torch.randn(args.batch, args.seq, args.width, generator=gen).to(dev)
+    y = torch.randn(args.batch, args.seq, 1, generator=gen).to(dev)
+    return dev, sync, x, y
+
+
 def dense_exchange(model):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -119,14 +133,7 @@ def main():
                              "sparse_model"])
     ap.add_argument("--out")
     args = ap.parse_args()
-    hvd.init()
-    dev = torch.device(args.device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    gen = torch.Generator().manual_seed(hvd.rank())
-    x = torch.randn(args.batch, args.seq, args.width, generator=gen).to(dev)
-    y = torch.randn(args.batch, args.seq, 1, generator=gen).to(dev)
+    dev, sync, x, y = setup(args)
     runs = {}
     for name in args.variants:
         model = build(args.layers, args.width, dev)

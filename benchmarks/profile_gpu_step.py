@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, machine  # noqa: E402
-from gpu_step import build, variant  # noqa: E402
+from gpu_step import build, setup, variant  # noqa: E402
 
 import hvd_sparse.mpi as hvd  # noqa: E402
 
@@ -44,14 +44,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10, help="timed steps, then as many profiled")
     ap.add_argument("--out", help="folder for the JSON and the two tables (default results/)")
     args = ap.parse_args()
-    hvd.init()
-    dev = torch.device(args.device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    gen = torch.Generator().manual_seed(hvd.rank())
-    x = torch.randn(args.batch, args.seq, args.width, generator=gen).to(dev)
-    y = torch.randn(args.batch, args.seq, 1, generator=gen).to(dev)
+    dev, sync, x, y = setup(args)
     runs = {}
     for name in ("floor", args.variant):
         model = build(args.layers, args.width, dev)
