@@ -62,12 +62,24 @@ class HorovodTransport(Transport):
 
         self._hvd = hvd
         self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self._seen = {}  # the last size and rank Horovod gave
+
+    def _last(self, what: str) -> int:
+        """The process set's size or rank; after ``hvd.shutdown()`` the last ones it gave, so
+        that a checkpoint can still be taken then (``state_dict()``, as with Horovod's own
+        optimizer: a script may shut down, then save). Collectives still fail there."""
+        try:
+            self._seen[what] = getattr(self.process_set, what)()
+        except ValueError:  # "Horovod has not been initialized"
+            if what not in self._seen:
+                raise
+        return self._seen[what]
 
     def size(self) -> int:
-        return self.process_set.size()
+        return self._last("size")
 
     def rank(self) -> int:
-        return self.process_set.rank()
+        return self._last("rank")
 
     def included(self) -> bool:
         return self.process_set.included()

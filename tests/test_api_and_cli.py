@@ -625,3 +625,51 @@ def test_training_cli_benchmark_mode_reads_neither_epochs_nor_full_batches(tmp_p
                           env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["model"] == "cnn"
+
+
+AFTER_SHUTDOWN = r"""
+import json, torch, hvd_sparse as hvd
+hvd.init()
+torch.manual_seed(0)
+m = torch.nn.Linear(50, 40)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                               named_parameters=m.named_parameters(), min_sparse_numel=0,
+                               density=0.05)
+for i in range(2):
+    opt.zero_grad(); m(torch.randn(4, 50)).sum().backward(); opt.step()
+before = opt.state_dict()["hvd_sparse"]
+rank = hvd.rank()
+hvd.shutdown()
+out = {"rank": rank}
+sd = opt.state_dict()["hvd_sparse"]
+out["saved"] = [sd["world_size"], sd["rank"], sd["steps"] == before["steps"],
+                all(torch.equal(a["uplink"], b["uplink"]) for a, b in
+                    zip(sd["buckets"].values(), before["buckets"].values()))]
+out["view"] = len(opt.engine_state())
+try:
+    opt.zero_grad(); m(torch.randn(4, 50)).sum().backward(); opt.step()
+    out["step"] = "no error"
+except Exception as e:
+    out["step"] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_can_be_taken_after_shutdown(mpi_available):
+    """A script that shuts Horovod down, then saves: ``state_dict()`` and ``engine_state()``
+    answer with the world the job had (they raised Horovod's 'not been initialized', where
+    Horovod's own optimizer saves), and a step after it still fails clearly."""
+    import subprocess
+
+    cmd = launch_command("mpirun", 2, "-c", AFTER_SHUTDOWN)
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    outs = sorted((json.loads(line) for line in proc.stdout.splitlines()
+                   if line.startswith("{")), key=lambda o: o["rank"])
+    assert [o["rank"] for o in outs] == [0, 1]
+    for o in outs:
+        assert o["saved"] == [2, o["rank"], True, True], o
+        assert o["view"] == 2  # a bucket per tensor (weight, bias)
+        assert o["step"] != "no error", o  # Horovod's ValueError or HorovodInternalError
