@@ -673,3 +673,17 @@ def test_a_checkpoint_can_be_taken_after_shutdown(mpi_available):
         assert o["saved"] == [2, o["rank"], True, True], o
         assert o["view"] == 2  # a bucket per tensor (weight, bias)
         assert o["step"] != "no error", o  # Horovod's ValueError or HorovodInternalError
+
+
+def test_horovods_elastic_imports_work_under_hvd_sparses_name(mpi_available):
+    """``from horovod.torch.elastic import TorchState, run`` with ``horovod.torch`` replaced
+    by ``hvd_sparse``, as Horovod's elastic examples import them: a missing module before."""
+    import horovod.torch.elastic as theirs
+
+    from hvd_sparse.elastic import ElasticSampler, TorchState, run  # noqa: F401
+
+    import hvd_sparse.elastic as ours
+
+    assert TorchState is theirs.TorchState and run is theirs.run
+    assert ours.state is theirs.state and ours._reset is theirs._reset
+    assert hvd_sparse.elastic.ElasticSampler is theirs.ElasticSampler

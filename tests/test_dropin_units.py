@@ -1,6 +1,7 @@
 """Single-process regressions for drop-in behaviour: LR schedulers made before wrapping, fp16 on
 the wire, adaptive Top-K's defaults, payload validation, MPI layout helpers, NaN under "ignore",
 and the class Horovod's broadcast_optimizer_state recognises."""
+import copy
 import warnings
 
 import numpy as np
@@ -1413,3 +1414,18 @@ def test_a_checkpoint_of_another_layer_split_does_not_move_mass_between_layers()
     with pytest.warns(UserWarning, match="b.weight"):
         opt2.load_state_dict(sd)
     assert all(v["uplink"] is None for v in opt2.state_dict()["hvd_sparse"]["buckets"].values())
+
+
+@pytest.mark.parametrize("entry", ["not a state", 3, ["a", "list"]])
+def test_a_state_dict_whose_hvd_sparse_entry_is_not_a_dict_is_refused_clearly(entry):
+    """A hand-edited or foreign checkpoint: a TypeError naming the entry (was an
+    AttributeError from deep inside, 'str' object has no attribute 'get'), and nothing
+    loaded."""
+    m = _net()
+    opt = _wrap(m)
+    sd = opt.state_dict()
+    sd["hvd_sparse"] = entry
+    before = copy.deepcopy(opt.state_dict()["state"])
+    with pytest.raises(TypeError, match="'hvd_sparse' entry"):
+        opt.load_state_dict(sd)
+    assert opt.state_dict()["state"].keys() == before.keys()

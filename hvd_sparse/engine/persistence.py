@@ -140,6 +140,9 @@ class Checkpointing:
         (another density, scope or ``min_sparse_numel``) starts afresh here, and unsent mass
         saved for one that is not sparse here is dropped, with a warning. A bucket of
         another size under the same name is a model mismatch and raises."""
+        if not isinstance(extra, dict):
+            raise TypeError(f"the state dict's 'hvd_sparse' entry is this optimizer's saved "
+                            f"state, a dict (from state_dict()); got {type(extra).__name__}")
         if extra.get("format") != STATE_FORMAT:
             raise ValueError(f"hvd_sparse state has format {extra.get('format')}, "
                              f"this version reads {STATE_FORMAT}")
