@@ -14,6 +14,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from horovod.torch.elastic import (  # noqa: F401 - Horovod's names, re-exported
     ElasticSampler, TorchState, init, run, run_fn, sampler, shutdown, state)
 
+__all__ = ["ElasticSampler", "TorchState", "init", "run", "run_fn", "sampler", "shutdown",
+           "state"]
+
 
 def __getattr__(name):
     return getattr(_horovod_elastic, name)
