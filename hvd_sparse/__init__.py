@@ -54,8 +54,11 @@ def join(device=-1):
                 if gathers else "")
         raise RuntimeError(
             f"hvd.join() cannot serve hvd_sparse's exchange (buckets {names} go by allgather, "
-            "which a joined rank cannot stand in for; Horovod would fail or hang): give every "
-            "rank the same number of steps (drop or repeat the last batches)" + hint)
+            "which a joined rank cannot stand in for; Horovod would fail or hang), and it is "
+            "refused even where every rank has the same number of batches (a rank cannot "
+            "tell that from here without a collective that could hang): there it is not "
+            "needed, so drop it or call hvd.barrier(); with uneven data give every rank the "
+            "same number of steps (drop or repeat the last batches)" + hint)
     import horovod.torch as _hvd
 
     from .optimizer import after_join

@@ -79,6 +79,8 @@ def test_join_is_refused_clearly_with_sparse_buckets_and_works_dense(parity):
     for r in parity:
         sparse, dense = r["join"]["0.05"], r["join"]["1.0"]
         assert "hvd.join()" in sparse.get("error", "") and "same number of steps" in sparse["error"]
+        # the even case too (join as an end-of-epoch barrier): told what to call instead
+        assert "hvd.barrier()" in sparse["error"]
         assert "returned" in dense, dense
         assert "hvd.join()" in r["join"]["0.05-dense-warmup"].get("error", "")
         # uneven steps, small tensors only: Horovod's join, with Horovod's result
