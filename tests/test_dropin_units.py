@@ -615,11 +615,15 @@ def test_every_horovod_name_is_horovods_but_the_optimizer_and_init():
     function, e.g. ``broadcast``, would shadow it), except the documented replacements."""
     real = pytest.importorskip("horovod.torch", reason="Horovod is not installed "
                                "(run launch/setup.sh)")
+    import hvd_sparse.elastic  # noqa: F401 - Horovod's module under our path (its objects)
+
     ours = {"DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "init",
-            "join", "optimizer"}
+            "join", "optimizer", "elastic"}
     different = [n for n in dir(real) if not n.startswith("_")
                  and getattr(hvd_sparse, n) is not getattr(real, n)]
     assert sorted(different) == sorted(ours)
+    assert all(getattr(hvd_sparse.elastic, n) is getattr(real.elastic, n)
+               for n in dir(real.elastic) if not n.startswith("__"))
     assert callable(hvd_sparse.broadcast) and callable(hvd_sparse.allreduce_)
 
 
