@@ -19,4 +19,6 @@ __all__ = ["ElasticSampler", "TorchState", "init", "run", "run_fn", "sampler", "
 
 
 def __getattr__(name):
+    if name.startswith("__"):  # not Horovod's __path__: this is a module, not its package
+        raise AttributeError(name)
     return getattr(_horovod_elastic, name)

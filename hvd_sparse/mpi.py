@@ -167,6 +167,7 @@ def shutdown():
         mpi_guard.stop_watch(_comm)
     _comm = None
     _layout.clear()
+    mpi_collectives.forget_handles()
 
 
 def barrier(process_set=None):
@@ -295,10 +296,12 @@ def _sum(tensor, op, name, prescale, postscale):
     """The reduction itself: floats through the transport; integers summed exactly, their
     average truncated toward zero as Horovod's (its scale by 1/size cast back to the type).
     Every rank must start it alike (:func:`hvd_sparse.mpi_guard.agree`)."""
-    if tensor.is_complex():  # the integer path below would drop the imaginary part
-        raise ValueError(f"Tensor type {tensor.type()} is not supported")  # Horovod's words
     agree(_c(), "allreduce", **describe(tensor, op=int(op), prescale=float(prescale),
                                         postscale=float(postscale)), **named(name))
+    if tensor.is_complex():  # (after the agreement: every rank refuses alike, or all mismatch)
+        # the integer path below would drop the imaginary part
+        raise ValueError(f"Tensor type {tensor.type()} is not supported")  # Horovod's words
+    name = name or "allreduce"
     if op != compat.Average and op != compat.Sum or not tensor.dtype.is_floating_point \
             and (prescale != 1.0 or postscale != 1.0 or tensor.dtype == torch.bool):
         return mpi_collectives.reduce_blocking(tensor, op, prescale, postscale)
@@ -343,7 +346,7 @@ def allreduce(tensor, average=None, name=None, compression=compat.Compression.no
     _global_only(process_set)
     op = _reduce_op(op, average)
     packed, ctx = compression.compress(tensor)
-    out = _Allreduce.apply(packed, op, name or "allreduce", prescale_factor, postscale_factor)
+    out = _Allreduce.apply(packed, op, name, prescale_factor, postscale_factor)
     return compression.decompress(out, ctx)
 
 
@@ -353,7 +356,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     _global_only(process_set)
     op = _reduce_op(op, average)
     with torch.no_grad():
-        return tensor.copy_(_sum(tensor.detach(), op, name or "allreduce", prescale_factor,
+        return tensor.copy_(_sum(tensor.detach(), op, name, prescale_factor,
                                  postscale_factor))
 
 
@@ -374,15 +377,17 @@ def broadcast_(tensor, root_rank=0, name=None, process_set=None):
     return _broadcast_into(tensor, root_rank, name=name)
 
 
-_Broadcast = compat.differentiable_broadcast(
-    _broadcast_into, lambda grad: allreduce(grad, op=compat.Average, name="broadcast.grad"),
-    lambda: rank())
+_Broadcast = compat.differentiable_broadcast(  # agreed on by broadcast() before
+    lambda tensor, root: _broadcast_into(tensor, root, check=False),
+    lambda grad: allreduce(grad, op=compat.Average, name="broadcast.grad"), lambda: rank())
 
 
 def broadcast(tensor, root_rank=0, name=None, process_set=None):
     """A new tensor holding rank ``root_rank``'s ``tensor`` (differentiable, as Horovod's)."""
     _global_only(process_set)
-    return _Broadcast.apply(tensor, _check_root(root_rank))
+    root_rank = _check_root(root_rank)
+    agree(_c(), "broadcast", **describe(tensor, root=root_rank), **named(name))
+    return _Broadcast.apply(tensor, root_rank)
 
 
 class _Allgather(torch.autograd.Function):
@@ -395,7 +400,7 @@ class _Allgather(torch.autograd.Function):
         agree(_c(), "allgather", dtype=str(src.dtype), dims=src.dim(),
               trailing_shape=tuple(src.shape[1:]), **named(name))
         ctx.rows = src.shape[0] if src.dim() else 1
-        flat = t.wait(t.allgather_async(src.reshape(-1), name))
+        flat = t.wait(t.allgather_async(src.reshape(-1), name or "allgather"))
         return flat.view(-1, *src.shape[1:])
 
     @staticmethod
@@ -408,7 +413,7 @@ class _Allgather(torch.autograd.Function):
 def allgather(tensor, name=None, process_set=None):
     """Concatenate every rank's tensor along dimension 0 (sizes may differ; differentiable)."""
     _global_only(process_set)
-    return _Allgather.apply(tensor, name or "allgather")
+    return _Allgather.apply(tensor, name)
 
 
 def broadcast_parameters(params, root_rank=0):

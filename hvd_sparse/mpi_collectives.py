@@ -46,10 +46,11 @@ def _transport():
 # ----------------------------------------------------------------------- handles
 class _Pending:
     """One started operation: ``test()`` says whether it completed, ``finish()`` returns its
-    result (waiting if needed); ``name``: the name the user gave it, taken until then."""
+    result (waiting if needed); ``name``: the name the user gave it, taken while it runs;
+    ``done``: it completed as it started (a blocking form behind an async name)."""
 
-    def __init__(self, test, finish, name=None):
-        self.test, self.finish, self.name = test, finish, name
+    def __init__(self, test, finish, done=False):
+        self.test, self.finish, self.name, self.done = test, finish, None, done
 
 
 _handles = {}
@@ -58,33 +59,47 @@ _names_taken = {}  # a name the user gave an operation not yet synchronized -> i
 
 
 def _free_name(what, name):
-    """Refuse a ``name=`` that an operation not yet synchronized holds, as Horovod refuses a
-    tensor named like one it is still processing (checked before anything starts: every
-    rank runs the same calls, so every rank refuses alike)."""
-    if name is not None and str(name) in _names_taken:
-        raise ValueError(f"Requested to {what} a tensor with the same name as another tensor "
-                         f"that is currently being processed ('{name}'). If you want to "
-                         "request another tensor, use a different tensor name.")
+    """Refuse a ``name=`` that a running operation holds, as Horovod refuses a tensor named
+    like one it is still processing (checked before anything starts). As there, a name is
+    free again once its operation completed, synchronized or not (so a retry after an
+    exception between start and ``synchronize`` works)."""
+    key = None if name is None else str(name)
+    held = _names_taken.get(key)
+    if held is None:
+        return
+    pending = _handles.get(held)
+    if pending is None or pending.test():
+        del _names_taken[key]
+        return
+    raise ValueError(f"Requested to {what} a tensor with the same name as another tensor "
+                     f"that is currently being processed ('{name}'). If you want to request "
+                     "another tensor, use a different tensor name.")
 
 
-def _register(test, finish, name=None) -> int:
+def forget_handles() -> None:
+    """At shutdown: no operation is running any more."""
+    _handles.clear()
+    _names_taken.clear()
+
+
+def _register(test, finish, done=False) -> int:
     handle = next(_numbers)
-    _handles[handle] = _Pending(test, finish, None if name is None else str(name))
-    if name is not None:
-        _names_taken[str(name)] = handle
+    _handles[handle] = _Pending(test, finish, done)
     return handle
 
 
 def _claim(handle, name) -> int:
-    """Hold ``name`` for ``handle`` until it is synchronized (:func:`_free_name`)."""
-    if name is not None:
-        _handles[handle].name = str(name)
+    """Hold ``name`` for ``handle`` while it runs (:func:`_free_name`); an operation that
+    completed as it started holds nothing."""
+    pending = _handles[handle]
+    if name is not None and not pending.done:
+        pending.name = str(name)
         _names_taken[str(name)] = handle
     return handle
 
 
 def _done(result) -> int:
-    return _register(lambda: True, lambda: result)
+    return _register(lambda: True, lambda: result, done=True)
 
 
 def poll(handle) -> bool:
@@ -185,10 +200,10 @@ def _allreduce_start(tensor, name, op, prescale, postscale, into=None) -> int:
     """Start one allreduce; non-blocking for float averages and sums. ``into``: the tensor the
     result is written into (the in-place forms)."""
     op = check_op(op)
-    if tensor.is_complex():
-        raise ValueError(f"Tensor type {tensor.type()} is not supported")  # Horovod's words
     agree(_mpi()._c(), "allreduce", **describe(tensor, op=int(op), prescale=float(prescale),
                                                postscale=float(postscale)), **named(name))
+    if tensor.is_complex():  # after the agreement: every rank refuses alike
+        raise ValueError(f"Tensor type {tensor.type()} is not supported")  # Horovod's words
 
     def deliver(out):
         if into is None:
@@ -239,8 +254,8 @@ def _grouped_start(tensors, name, op, prescale, postscale, in_place) -> int:
     handles = [_allreduce_start(t, f"{name or 'grouped_allreduce'}.{i}", op, prescale,
                                 postscale, into=t if in_place else None)
                for i, t in enumerate(tensors)]
-    return _register(lambda: all(poll(h) for h in handles),
-                     lambda: tuple(synchronize(h) for h in handles), name)
+    return _claim(_register(lambda: all(poll(h) for h in handles),
+                            lambda: tuple(synchronize(h) for h in handles)), name)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -307,23 +322,22 @@ def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
     tensors = _group("grouped_allgather", tensors)
     handles = [_allgather_start(t, f"{name or 'grouped_allgather'}.{i}")
                for i, t in enumerate(tensors)]
-    return _register(lambda: all(poll(h) for h in handles),
-                     lambda: tuple(synchronize(h) for h in handles), name)
+    return _claim(_register(lambda: all(poll(h) for h in handles),
+                            lambda: tuple(synchronize(h) for h in handles)), name)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
     mpi = _mpi()
     mpi._global_only(process_set)
     _free_name("broadcast", name)
-    return _claim(_done(mpi._broadcast_into(tensor.detach().clone(), root_rank, name=name)),
-                  name)
+    return _done(mpi._broadcast_into(tensor.detach().clone(), root_rank, name=name))
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
     mpi = _mpi()
     mpi._global_only(process_set)
     _free_name("broadcast", name)
-    return _claim(_done(mpi._broadcast_into(tensor, root_rank, name=name)), name)
+    return _done(mpi._broadcast_into(tensor, root_rank, name=name))
 
 
 # ----------------------------------------------------------------------- all-to-all
@@ -401,7 +415,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
     _mpi()._global_only(process_set)
     _free_name("alltoall", name)
     h, finish = _alltoall_start(tensor, splits, name)
-    return _register(lambda: _requests_test(h), finish, name)
+    return _claim(_register(lambda: _requests_test(h), finish), name)
 
 
 # ----------------------------------------------------------------------- reduce-scatter
@@ -469,16 +483,17 @@ def reducescatter_async(tensor, name=None, op=compat.Average, process_set=None,
                         prescale_factor=1.0, postscale_factor=1.0) -> int:
     _mpi()._global_only(process_set)
     _free_name("reducescatter", name)
-    return _claim(_done(_reducescatter_blocking(tensor, _reducescatter_op(op), prescale_factor,
-                                                postscale_factor, name)), name)
+    return _done(_reducescatter_blocking(tensor, _reducescatter_op(op), prescale_factor,
+                                         postscale_factor, name))
 
 
 def grouped_reducescatter(tensors, name=None, compression=compat.Compression.none,
                           op=compat.Average, process_set=None, prescale_factor=1.0,
                           postscale_factor=1.0):
     tensors = _group("grouped_reducescatter", tensors)
-    return [reducescatter(t, name, compression, op, process_set, prescale_factor,
-                          postscale_factor) for t in tensors]
+    return [reducescatter(t, None if name is None else f"{name}.{i}", compression, op,
+                          process_set, prescale_factor, postscale_factor)
+            for i, t in enumerate(tensors)]
 
 
 def grouped_reducescatter_async(tensors, name=None, op=compat.Average, process_set=None,
@@ -487,9 +502,9 @@ def grouped_reducescatter_async(tensors, name=None, op=compat.Average, process_s
     op = _reducescatter_op(op)
     _free_name("reducescatter", name)
     tensors = _group("grouped_reducescatter", tensors)
-    return _claim(_done(tuple(_reducescatter_blocking(t, op, prescale_factor, postscale_factor,
-                                                      None if name is None else f"{name}.{i}")
-                              for i, t in enumerate(tensors))), name)
+    return _done(tuple(_reducescatter_blocking(t, op, prescale_factor, postscale_factor,
+                                               None if name is None else f"{name}.{i}")
+                       for i, t in enumerate(tensors)))
 
 
 # ----------------------------------------------------------------------- join and queries

@@ -114,7 +114,7 @@ def agree(comm, what: str, **fields) -> None:
                 f"rank {r} started {k}" for r, k in enumerate(kinds))
             + " (MPI matches collectives by call order: every rank must start the same "
               "ones in the same order)")
-    for key in sorted(fields):
+    for key in sorted({k for x in everyone for k, _ in x[1]}):  # a field some ranks lack too
         values = [dict(x[1]).get(key) for x in everyone]
         if len(set(map(repr, values))) > 1:
             raise HorovodInternalError(

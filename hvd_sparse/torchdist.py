@@ -284,6 +284,11 @@ def broadcast_(tensor, root_rank=0, name=None, process_set=None):
     root_rank = _check_root(root_rank)
     _agree("broadcast", dtype=str(tensor.dtype), shape=tuple(tensor.shape), root=root_rank,
            **named(name))
+    return _broadcast_into(tensor, root_rank)
+
+
+def _broadcast_into(tensor, root_rank):
+    """The copy from the root into ``tensor``, once every rank agreed on it."""
     with torch.no_grad():
         work = tensor.detach().to(_device()).contiguous()  # the tensor itself where it can be
         dist.broadcast(work, src=root_rank)
@@ -293,8 +298,7 @@ def broadcast_(tensor, root_rank=0, name=None, process_set=None):
 
 
 _Broadcast = compat.differentiable_broadcast(
-    lambda tensor, root: broadcast_(tensor, root),
-    lambda grad: _reduce(grad.contiguous(), Average, 1.0, 1.0), lambda: rank())
+    _broadcast_into, lambda grad: _reduce(grad.contiguous(), Average, 1.0, 1.0), lambda: rank())
 
 
 def broadcast(tensor, root_rank=0, name=None, process_set=None):
@@ -302,9 +306,13 @@ def broadcast(tensor, root_rank=0, name=None, process_set=None):
     _group()
     _global_only(process_set)
     root_rank = _check_root(root_rank)
+    # agreed here, once, whichever way each rank goes on: a parameter on the root and a
+    # plain tensor elsewhere is Horovod's common case
+    _agree("broadcast", dtype=str(tensor.dtype), shape=tuple(tensor.shape), root=root_rank,
+           **named(name))
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Broadcast.apply(tensor, root_rank)
-    return broadcast_(tensor.detach().clone(), root_rank, name, process_set)
+    return _broadcast_into(tensor.detach().clone(), root_rank)
 
 
 def _global_only(process_set):

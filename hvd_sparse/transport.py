@@ -62,24 +62,26 @@ class HorovodTransport(Transport):
 
         self._hvd = hvd
         self.process_set = process_set if process_set is not None else hvd.global_process_set
-        self._seen = {}  # the last size and rank Horovod gave
+        self._seen = None  # (size, rank) as Horovod last gave them, together
+        if hvd.is_initialized():
+            self._world()
 
-    def _last(self, what: str) -> int:
-        """The process set's size or rank; after ``hvd.shutdown()`` the last ones it gave, so
+    def _world(self):
+        """The process set's (size, rank); after ``hvd.shutdown()`` the last ones it gave, so
         that a checkpoint can still be taken then (``state_dict()``, as with Horovod's own
         optimizer: a script may shut down, then save). Collectives still fail there."""
         try:
-            self._seen[what] = getattr(self.process_set, what)()
-        except ValueError:  # "Horovod has not been initialized"
-            if what not in self._seen:
+            self._seen = (self.process_set.size(), self.process_set.rank())
+        except ValueError:  # only "Horovod has not been initialized" after it was
+            if self._seen is None or self._hvd.is_initialized():
                 raise
-        return self._seen[what]
+        return self._seen
 
     def size(self) -> int:
-        return self._last("size")
+        return self._world()[0]
 
     def rank(self) -> int:
-        return self._last("rank")
+        return self._world()[1]
 
     def included(self) -> bool:
         return self.process_set.included()

@@ -637,14 +637,13 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
                                density=0.05)
 for i in range(2):
     opt.zero_grad(); m(torch.randn(4, 50)).sum().backward(); opt.step()
-before = opt.state_dict()["hvd_sparse"]
 rank = hvd.rank()
-hvd.shutdown()
+hvd.shutdown()  # (no state_dict() before it: nothing asked the world for the checkpoint)
 out = {"rank": rank}
 sd = opt.state_dict()["hvd_sparse"]
-out["saved"] = [sd["world_size"], sd["rank"], sd["steps"] == before["steps"],
-                all(torch.equal(a["uplink"], b["uplink"]) for a, b in
-                    zip(sd["buckets"].values(), before["buckets"].values()))]
+out["saved"] = [sd["world_size"], sd["rank"], sd["steps"] == 2,
+                all(b["uplink"] is not None and bool(torch.isfinite(b["uplink"]).all())
+                    for b in sd["buckets"].values())]
 out["view"] = len(opt.engine_state())
 try:
     opt.zero_grad(); m(torch.randn(4, 50)).sum().backward(); opt.step()
@@ -656,13 +655,16 @@ print(json.dumps(out))
 
 
 @pytest.mark.multirank
-def test_a_checkpoint_can_be_taken_after_shutdown(mpi_available):
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_a_checkpoint_can_be_taken_after_shutdown(mpi_available, ranks):
     """A script that shuts Horovod down, then saves: ``state_dict()`` and ``engine_state()``
     answer with the world the job had (they raised Horovod's 'not been initialized', where
-    Horovod's own optimizer saves), and a step after it still fails clearly."""
+    Horovod's own optimizer saves), and a step after it still fails clearly. One process
+    too: there the rank had never been asked before the shutdown."""
     import subprocess
 
-    cmd = launch_command("mpirun", 2, "-c", AFTER_SHUTDOWN)
+    cmd = launch_command("mpirun", 2, "-c", AFTER_SHUTDOWN) if ranks == 2 else \
+        [sys.executable, "-c", AFTER_SHUTDOWN]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -671,9 +673,10 @@ def test_a_checkpoint_can_be_taken_after_shutdown(mpi_available):
     # (the ranks' lines may run together in mpirun's output: each object is flat)
     outs = sorted((json.loads(o) for o in re.findall(r'\{"rank".*?\}', proc.stdout)),
                   key=lambda o: o["rank"])
-    assert [o["rank"] for o in outs] == [0, 1]
+    assert [o["rank"] for o in outs] == list(range(ranks))
     for o in outs:
-        assert o["saved"] == [2, o["rank"], True, True], o
+        # (one process exchanges nothing: no residuals to keep)
+        assert o["saved"] == [ranks, o["rank"], True, ranks > 1], o
         assert o["view"] == 2  # a bucket per tensor (weight, bias)
         assert o["step"] != "no error", o  # Horovod's ValueError or HorovodInternalError
 

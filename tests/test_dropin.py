@@ -369,6 +369,12 @@ def test_collectives_at_their_edges_answer_as_horovods(dropin):
             "grouped_reducescatter_async": "tuple"}
         assert r["names_order"] in ("HorovodInternalError", r["names_order_want"])
         assert r["names_after"] == [float(n)]
+        assert r["names_mixed_forms"] == [float(n * (n + 1) / 2)] * 2
+        if r["names_backend"] == "mpi":  # agreed before the dtype is refused: all ranks know
+            assert r["names_retry"] == [float(n)] * 2
+            assert r["names_dropped_handle"] == [0.0, 0.0]
+            assert r["names_complex_one_rank"] == ["HorovodInternalError", True]
+            assert r["names_after_complex"] == [float(n)]
     assert len({isinstance(r["names_order"], str) for r in dropin}) == 1  # all fail, or none
 
 

@@ -136,6 +136,7 @@ def test_torchdist_gives_horovods_helpers_under_torchrun(tmp_path):
         assert all(v is not None and "Mismatched" in v for v in r["mismatched"].values()), \
             r["mismatched"]
         assert r["op_and_average"] == "ValueError"
+        assert r["broadcast_param_or_tensor"] == [7.0] * 3
 
 
 @pytest.mark.multirank

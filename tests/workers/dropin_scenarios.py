@@ -1043,6 +1043,34 @@ def scenario_names_types_and_complex(res):
     res["names_order_want"] = {"names.A": [float(n * (n + 1) / 2)] * 2,
                                "names.B": [100.0 * n * (n + 1) / 2] * 2}
     res["names_after"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="names.after").tolist()
+    if BACKEND == "mpi":
+        # a name is free again once its operation completed, synchronized or not (as Horovod
+        # frees a name in one process; at 2 ranks its background loop still held it): a
+        # retry after an exception between start and synchronize; a completed in-place
+        # broadcast whose handle was dropped
+        x = torch.full((2,), float(r))
+        h = hvd.allreduce_async(torch.ones(2), name="names.retry", op=hvd.Sum)
+        while not hvd.poll(h):
+            pass
+        res["names_retry"] = hvd.synchronize(hvd.allreduce_async(
+            torch.ones(2), name="names.retry", op=hvd.Sum)).tolist()
+        hvd.synchronize(h)
+        hvd.broadcast_async_(x, 0, name="names.dropped")
+        hvd.synchronize(hvd.broadcast_async_(x, 0, name="names.dropped"))
+        res["names_dropped_handle"] = x.tolist()
+    # the blocking and the async form of one collective, unnamed, on different ranks
+    y = torch.ones(2) * (r + 1)
+    res["names_mixed_forms"] = (hvd.allreduce(y, op=hvd.Sum) if r % 2 == 0 else
+                                hvd.synchronize(hvd.allreduce_async(y, op=hvd.Sum))).tolist()
+    if BACKEND == "mpi":  # (under Horovod a complex tensor on one rank leaves the others waiting)
+        try:  # a complex tensor on one rank, a float one on the others: every rank is told
+            hvd.allreduce(torch.ones(2, dtype=torch.complex64) if r == 0 else torch.ones(2))
+            res["names_complex_one_rank"] = "no error"
+        except hvd.HorovodInternalError as e:
+            res["names_complex_one_rank"] = ["HorovodInternalError", "dtype" in str(e)]
+        except ValueError:
+            res["names_complex_one_rank"] = "ValueError"
+        res["names_after_complex"] = hvd.allreduce(torch.ones(1), op=hvd.Sum).tolist()
 
 
 def scenario_sync_batch_norm(res):

@@ -111,6 +111,9 @@ def main(outdir):
         except hvd.HorovodInternalError as e:
             mismatched["names"] = str(e)[:60]
         res["mismatched"] = mismatched
+        # a parameter on the root, a plain tensor elsewhere, one name: Horovod's common case
+        src = torch.nn.Parameter(torch.full((3,), 7.0)) if rank == 0 else torch.zeros(3)
+        res["broadcast_param_or_tensor"] = hvd.broadcast(src, root_rank=0, name="w").tolist()
         try:
             hvd.allreduce(t, average=True, op=hvd.Sum)
             res["op_and_average"] = None
