@@ -55,7 +55,7 @@ class _Pending:
 
 _handles = {}
 _numbers = itertools.count(1)
-_names_taken = {}  # a name the user gave an operation not yet synchronized -> its handle
+_names_taken = {}  # a name the user gave a running operation -> its handle
 
 
 def _free_name(what, name):
