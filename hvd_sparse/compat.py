@@ -57,3 +57,12 @@ def differentiable_broadcast(copy_from_root, average, my_rank):
             return (reduced if my_rank() == ctx.root_rank else reduced * 0), None
 
     return Broadcast
+
+
+def param_list(params) -> list:
+    """A ``broadcast_parameters`` argument other than a dict as a list (a list, a tuple,
+    ``named_parameters()``), or Horovod's ``ValueError`` for what is no collection at all."""
+    try:
+        return list(params)
+    except TypeError:
+        raise ValueError(f"invalid params of type: {type(params)}") from None

@@ -424,7 +424,7 @@ def broadcast_parameters(params, root_rank=0):
     if isinstance(params, dict):
         items = sorted(params.items())
     else:
-        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+        items = [p if isinstance(p, tuple) else (None, p) for p in compat.param_list(params)]
     tensors = [(n, p) for n, p in items if isinstance(p, torch.Tensor)]
     agree(_c(), "broadcast_parameters", root=root_rank,
           tensors=tuple((n, str(p.dtype), tuple(p.shape)) for n, p in tensors))

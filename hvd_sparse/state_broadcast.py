@@ -21,6 +21,7 @@ import warnings
 
 import torch
 
+from . import compat
 from .checkpoint import ShardedStateWarning
 
 
@@ -38,7 +39,7 @@ def broadcast_parameters(params, root_rank, **kwargs):
     import horovod.torch as hvd
 
     if not isinstance(params, (dict, list)):
-        params = list(params)  # e.g. named_parameters(), a generator
+        params = compat.param_list(params)  # e.g. named_parameters(), a generator
     items = params.items() if isinstance(params, dict) else \
         [p if isinstance(p, tuple) else (None, p) for p in params]
     refused = [(n, p) for n, p in items if _refused(p)]

@@ -329,7 +329,7 @@ def broadcast_parameters(params, root_rank=0):
     if isinstance(params, dict):
         items = sorted(params.items())
     else:
-        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+        items = [p if isinstance(p, tuple) else (None, p) for p in compat.param_list(params)]
     where = _device()
     with torch.no_grad():
         for _, p in items:

@@ -693,3 +693,25 @@ def test_horovods_elastic_imports_work_under_hvd_sparses_name(mpi_available):
     assert TorchState is theirs.TorchState and run is theirs.run
     assert ours.state is theirs.state and ours._reset is theirs._reset
     assert hvd_sparse.elastic.ElasticSampler is theirs.ElasticSampler
+
+
+def test_broadcast_parameters_refuses_what_is_no_collection_as_horovod(mpi_available):
+    """``broadcast_parameters(5, 0)``: Horovod's ValueError (was a TypeError, 'int' object is
+    not iterable), from the Horovod-backed and the mpi4py front end alike, before any
+    collective (one process here)."""
+    import subprocess
+
+    script = (
+        "import torch, hvd_sparse, hvd_sparse.mpi as hm\n"
+        "hvd_sparse.init(); hm.init()\n"
+        "for f in (hvd_sparse.broadcast_parameters, hm.broadcast_parameters):\n"
+        "    try:\n"
+        "        f(5, 0)\n"
+        "        raise SystemExit('accepted')\n"
+        "    except ValueError as e:\n"
+        "        assert 'invalid params' in str(e), e\n"
+        "    f(iter([torch.ones(2)]), 0)  # any other iterable is taken as a list, as before\n"
+        "print('ok')\n")
+    run = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
