@@ -170,3 +170,55 @@ def test_floor_is_refused_for_a_method_without_one():
         hvd_sparse.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
             layer_floor=1.5, transport=LocalTransport())
+
+
+def _long_bucket(seed, kind):
+    """Tensors long enough for the per-segment sample (above 16,384 entries) next to short
+    ones: ``kind`` "normal", "ties" (few distinct magnitudes: many entries at the threshold,
+    more than the candidates' room), "sparse" (a downlink residual: mostly zeros, some
+    tensors with fewer non-zeros than their k)."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [17000, 3000, 40000, 20000, 1500, 70000]
+    scales = [1.0, 1e-3, 10.0, 1e-5, 0.1, 1.0]
+    g = torch.cat([torch.randn(n, generator=gen) * s for n, s in zip(sizes, scales)])
+    if kind == "ties":
+        g = torch.sign(g) * (g.abs() > 0.5).float() * torch.tensor(2.0)
+    if kind == "sparse":
+        keep = torch.rand(g.numel(), generator=gen) < 0.004
+        g = g * keep
+    segments, off = [], 0
+    for n in sizes:
+        segments.append((off, off + n))
+        off += n
+    return g, tuple(segments)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="numba is not installed")
+@pytest.mark.parametrize("kind", ["normal", "ties", "sparse"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layerwise_selection_of_long_tensors_equals_each_tensors_own_topk(kind, threads):
+    """``layer_floor=1`` on the CPU ranks every tensor in one call (a sampled threshold per
+    tensor, an exact pick among its candidates, the whole tensor where the sample misses):
+    the same positions and values as one Top-K per tensor, ties and zeros included."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g, segments = _long_bucket(7, kind)
+        for density in (0.001, 0.01, 0.3):
+            k = [k_for_density(hi - lo, density) for lo, hi in segments]
+            want = torch.cat([lo + topk_indices(g[lo:hi], kk)
+                              for (lo, hi), kk in zip(segments, k)])
+            for grad, res in ((g * 0.5, g * 0.5), (None, g.clone())):  # uplink, downlink
+                sel = TopK().fused(cpu, grad, res, density, _ctx(segments, 1.0))
+                assert torch.equal(sel.idx, want), (kind, density)
+                assert torch.equal(sel.values, g[want])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="numba is not installed")
+def test_layerwise_selection_sees_nan():
+    g, segments = _long_bucket(1, "normal")
+    g[segments[2][0] + 5] = float("nan")
+    sel = TopK().fused(cpu, None, g, 0.01, _ctx(segments, 1.0))
+    assert sel.nonfinite and sel.idx.numel() == 0

@@ -25,6 +25,7 @@ without it :func:`available` is False and the torch reference serves.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -577,6 +578,100 @@ if HAVE_NUMBA:
                 out[j] = r[i] + (g[i - off] - mn[i])
 
     @njit(cache=True)
+    def _segment_topk(a, lo, n, k, spos, rank, floor, out_idx, out_val, o):
+        """The exact top ``k`` of ``|a[lo:lo + n]|`` (ties by lowest index), in index order,
+        into ``out[o:o + k]``. Candidates come from a threshold that the segment's fixed
+        sample ranks ``rank``-th (when it has one), else, or when it found fewer than k, the
+        whole segment is ranked; ``_pick`` then decides exactly."""
+        if k >= n:
+            for j in range(n):
+                out_idx[o + j] = lo + j
+                out_val[o + j] = a[lo + j]
+            return
+        # room for what the sample aims at (about 1.6 k) and more: a segment of many entries
+        # at the threshold runs out of it and is ranked whole instead (room for every entry
+        # would be a large fresh allocation per segment and step)
+        cap = min(n, 4 * k + 1024)
+        cidx = np.empty(cap + 1, dtype=np.int64)  # + the spare slot _scan_chunk writes
+        cval = np.empty(cap + 1, dtype=np.float32)
+        c = 0
+        if rank > 0:
+            scores = np.empty(spos.size, dtype=np.float32)
+            m = 0
+            for j in range(spos.size):
+                s = abs(a[lo + spos[j]])
+                if s >= floor:
+                    scores[m] = s
+                    m += 1
+            t = floor
+            if rank <= m:
+                t = max(_coarse_kth(scores[:m], rank), floor)
+            c, _ = _scan_chunk(None, a[lo:lo + n], t, t, lo, cidx, cval, 0, cap, None)
+            if c > cap:  # out of room
+                c = 0
+        if c >= k:
+            _pick_short(cidx[:c], cval[:c], k, out_idx, out_val, o)
+            return
+        # no sample, or it aimed too high or too low: rank the whole segment
+        pi, pv = _pick(np.arange(lo, lo + n), a[lo:lo + n], k, 0)
+        for j in range(k):
+            out_idx[o + j] = pi[j]
+            out_val[o + j] = pv[j]
+
+    @njit(cache=True)
+    def _coarse_kth(scores, rank):
+        """A value at or below the ``rank``-th largest of non-negative ``scores``: the floor
+        of its bin in a histogram of the top 12 bits of the float (eighths of an octave).
+        Any threshold gives the same exact selection after it; this one costs one pass over
+        a sample, where an exact rank of it (a radix with up to 65,536 bins, or numba's
+        partition) cost more than the rest of a short tensor's selection."""
+        bits = scores.view(np.uint32)
+        hist = np.zeros(2048, dtype=np.int64)
+        for j in range(bits.size):
+            hist[bits[j] >> np.uint32(20)] += 1
+        b = 2047
+        seen = hist[b]
+        while seen < rank and b > 0:
+            b -= 1
+            seen += hist[b]
+        one = np.empty(1, dtype=np.uint32)
+        one[0] = np.uint32(b) << np.uint32(20)
+        return one.view(np.float32)[0]
+
+    @njit(cache=True)
+    def _pick_short(cidx, cval, k, out_idx, out_val, o):
+        """``_pick(cidx, cval, k, 0)`` written to ``out[o:o + k]``, for a short list: the k-th
+        magnitude by a partition (the radix's second histogram may span 65,536 bins, whose
+        zeroing costs more than ranking a few thousand candidates)."""
+        mags = np.abs(cval)
+        kth = np.partition(mags, mags.size - k)[mags.size - k]
+        above = 0
+        for j in range(mags.size):
+            above += mags[j] > kth
+        ties = k - above  # taken at the k-th magnitude, lowest index first
+        p = 0
+        for j in range(mags.size):
+            v = mags[j]
+            if v > kth or (v == kth and ties > 0):
+                ties -= v == kth
+                out_idx[o + p] = cidx[j]
+                out_val[o + p] = cval[j]
+                p += 1
+
+    @njit(cache=True)
+    def _segments_topk(a, los, ns, ks, offs, spos, soffs, ranks, floor, out_idx, out_val):
+        for i in range(los.size):
+            _segment_topk(a, los[i], ns[i], ks[i], spos[soffs[i]:soffs[i + 1]], ranks[i],
+                          floor, out_idx, out_val, offs[i])
+
+    @njit(parallel=True, cache=True)
+    def _segments_topk_par(a, los, ns, ks, offs, spos, soffs, ranks, floor, out_idx,
+                           out_val):
+        for i in prange(los.size):
+            _segment_topk(a, los[i], ns[i], ks[i], spos[soffs[i]:soffs[i + 1]], ranks[i],
+                          floor, out_idx, out_val, offs[i])
+
+    @njit(cache=True)
     def _set_at(target, idx, vals):
         for j in range(idx.size):
             target[idx[j]] = vals[j]
@@ -857,6 +952,11 @@ class AccumulatingOps:
             self.materialize()
         return kth_magnitude(*self._reads(g, r), k)
 
+    def segmented_topk(self, g, r, segments, counts):
+        if g is self.g:
+            self.materialize()
+        return segmented_topk(*self._reads(g, r), segments, counts)
+
 
 def gather(g, r, s: Scan):
     """The candidates of scan ``s`` as (int64 indices, float32 acc values), in index order."""
@@ -1057,6 +1157,56 @@ def set_at(target, idx, vals) -> None:
     if vals.dtype != target.dtype or target.dtype != torch.float32:
         return reference.set_at(target, idx, vals)
     _set_at(_np(target), idx.numpy(), vals.contiguous().numpy())
+
+
+@functools.lru_cache(maxsize=256)
+def _segment_plan(segments, counts):
+    """What :func:`segmented_topk` needs per segment, made once per bucket and density:
+    starts, lengths, counts, output offsets, the fixed samples (positions relative to each
+    segment, concatenated, with their offsets) and the rank in a sample that puts the
+    threshold where about 1.6 k of the segment reach it (:func:`.select.sampled_threshold`'s
+    margin; 0: no sample)."""
+    from .select import sample_positions
+
+    los = np.array([lo for lo, _ in segments], dtype=np.int64)
+    ns = np.array([hi - lo for lo, hi in segments], dtype=np.int64)
+    ks = np.array(counts, dtype=np.int64)
+    offs = np.zeros(len(segments) + 1, dtype=np.int64)
+    np.cumsum(ks, out=offs[1:])
+    samples, ranks = [], []
+    for n, k in zip(ns.tolist(), counts):
+        pos = sample_positions(n)
+        rank = 0
+        if pos is not None and 0 < k < n:
+            expected = pos.size * k / n
+            rank = int(np.ceil(1.6 * expected + 4.0 * np.sqrt(expected) + 8))
+            rank = rank if rank < pos.size else 0
+        samples.append(pos if rank else np.empty(0, dtype=np.int64))
+        ranks.append(rank)
+    soffs = np.zeros(len(segments) + 1, dtype=np.int64)
+    np.cumsum([s.size for s in samples], out=soffs[1:])
+    spos = np.concatenate(samples).astype(np.int64)
+    return los, ns, ks, offs, spos, soffs, np.array(ranks, dtype=np.int64)
+
+
+def segmented_topk(g, r, segments, counts):
+    """Each segment's own exact Top-K of ``|g + r|`` (``counts[i]`` of segment ``i``, ties by
+    lowest index), all segments in one call: (int64 indices ascending, float32 acc values).
+    The layer-wise selection of a bucket of several tensors (``layer_floor=1``), without a
+    Python round per tensor. Reads only; NaN/Inf must have been ruled out."""
+    a = _np(r) if g is None else _np(g) + _np(r)
+    los, ns, ks, offs, spos, soffs, ranks = _segment_plan(tuple(segments), tuple(counts))
+    total = int(offs[-1])
+    out_idx = np.empty(total, dtype=np.int64)
+    out_val = np.empty(total, dtype=np.float32)
+    from .select import tiny
+
+    floor = tiny()
+    if _threads() > 1 and los.size > 1:
+        _segments_topk_par(a, los, ns, ks, offs, spos, soffs, ranks, floor, out_idx, out_val)
+    else:
+        _segments_topk(a, los, ns, ks, offs, spos, soffs, ranks, floor, out_idx, out_val)
+    return torch.from_numpy(out_idx), torch.from_numpy(out_val)
 
 
 def magnitude_histogram(r, shift: int, bins: int, within_shift: int = 31,

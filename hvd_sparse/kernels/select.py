@@ -124,6 +124,9 @@ def topk_floored(ops, g, r, density: float, segments, floor: float) -> Selection
     from ..sparsifiers import layer_floor
     from ..sparsifiers.base import topk_of
 
+    if floor >= 1.0 and getattr(ops, "segmented_topk", None) is not None:
+        return topk_layerwise(ops, g, r, layer_floor.floors(segments, density, 1.0),
+                              segments)
     n = r.numel()
     k = layer_floor.budget(n, segments, density, floor)
     sel = topk(ops, g, r, k)
@@ -142,6 +145,20 @@ def topk_floored(ops, g, r, density: float, segments, floor: float) -> Selection
             starved[i] = (pos + lo, acc[pos].clone())
     idx, val = layer_floor.refine(sel.idx, sel.acc_values, segments, counts, starved, k)
     return Selection(idx, val, val, energy=sel.energy)
+
+
+def topk_layerwise(ops, g, r, counts, segments) -> Selection:
+    """Each segment's own Top-K (``counts``), the floor rule at ``floor=1`` where the floors
+    are the whole budget: one scan for NaN/Inf (which also writes ``acc`` where the backend
+    accumulates), then every segment ranked in one call of the backend's
+    ``segmented_topk``. The same selection as one bucket per tensor, without a Python round
+    of sampling, scanning and picking per tensor (about 0.3 ms each on the CPU, more than
+    the selection itself below some 100,000 entries)."""
+    s = ops.scan(g, r, INF, INF, 0)
+    if s.nonfinite:
+        return _empty(r, True)
+    idx, val = ops.segmented_topk(g, r, segments, counts)
+    return Selection(idx, val, val, energy=s.energy)
 
 
 def _acc_segment(ops, g, r, lo: int, hi: int) -> torch.Tensor:
