@@ -979,10 +979,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                                 "sparsifies floating-point gradients only")
             trainable.append((name_of[id(p)], p))
     scope = bucketing.resolve_scope(scope, density, sparsifier)
+    # one selection per tensor inside a shared bucket: a method that keeps a layer floor, and
+    # not where every bucket is asked to be sharded (an owner sees a region, not the tensors)
+    pack = bucketing.pack_below() if config.sparsifier.supports_layer_floor \
+        and config.downlink_sparsifier.supports_layer_floor \
+        and config.collective != "sharded" else 0
     plan = bucketing.plan_buckets(trainable, scope=scope, bucket_cap_mb=bucket_cap_mb,
                                   groups=groups, min_sparse_numel=min_sparse_numel,
-                                  max_bucket_numel=max_bucket_numel)
-    if config.layer_floor > 0 and all(len(b.params) == 1 for b in plan if b.sparse):
+                                  max_bucket_numel=max_bucket_numel, pack=pack)
+    if config.layer_floor > 0 and all(len(b.params) == 1 or b.layerwise
+                                      for b in plan if b.sparse):
         warnings.warn(f"layer_floor={config.layer_floor!r} has no effect: every sparse bucket "
                       f"holds one tensor (scope={scope!r}); it shares a bucket's budget among "
                       "its tensors under scope='model' or 'bucket'", UserWarning, stacklevel=2)

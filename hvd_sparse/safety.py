@@ -103,11 +103,19 @@ def _gather_bytes(transport, data: bytes, name: str) -> list:
     return out
 
 
+#: compared first: the options decide how tensors share buckets, so a rank with another
+#: method differs in its buckets too, and the method is the cause to name
+FIRST = ("world_size", "optimizer", "options", "compression")
+
+
 def _first_difference(a, b, path=""):
     if type(a) is not type(b):
         return path or "<root>", a, b
     if isinstance(a, dict):
-        for k in list(dict.fromkeys(list(a) + list(b))):
+        keys = list(dict.fromkeys(list(a) + list(b)))
+        if not path:
+            keys = [k for k in FIRST if k in keys] + [k for k in keys if k not in FIRST]
+        for k in keys:
             if k not in a or k not in b:
                 return f"{path}.{k}".lstrip("."), a.get(k, "<missing>"), b.get(k, "<missing>")
             d = _first_difference(a[k], b[k], f"{path}.{k}")

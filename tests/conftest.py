@@ -71,3 +71,11 @@ def mpi_available():
         import horovod.torch  # noqa: F401
     except ImportError:
         pytest.skip("Horovod is not installed (run launch/setup.sh)")
+
+
+@pytest.fixture
+def one_bucket_per_tensor(monkeypatch):
+    """Scope "tensor" with one bucket per tensor (no shared buckets of short tensors), for
+    tests that read a bucket by its tensor's name or count buckets; the ranks launched from
+    the test inherit it."""
+    monkeypatch.setenv("HVD_SPARSE_PACK_BELOW", "0")

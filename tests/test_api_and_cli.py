@@ -150,6 +150,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 def test_one_process_under_horovod_applies_a_loaded_states_pending_mass(mpi_available):
     """A larger job's state resumed by one process under Horovod (where the wrapped optimizer
     steps alone): the residuals' mass joins the first step once (gradient mass in the gradient,
@@ -256,6 +257,7 @@ def test_fp16_compression_rounding_stays_in_the_residual():
     assert stats["bytes_sent"] == 16 + 512 * 4 + 512 * 2  # header, int32 indices, fp16 values
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 def test_engine_state_is_a_read_only_snapshot_and_cost_model_is_validated():
     m = torch.nn.Linear(64, 32)
     opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
@@ -472,6 +474,7 @@ def test_cli_selects_over_the_whole_model_below_one_percent(argv, want):
     assert args.scope == want
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 def test_library_scope_auto_is_global_for_topk_below_one_percent():
     """``scope="auto"`` (the default): one bucket for all large tensors for Top-K below 1%,
     one per tensor from 1% up and for other sparsifiers; a named scope is kept."""
@@ -654,6 +657,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 @pytest.mark.multirank
 @pytest.mark.parametrize("ranks", [2, 1])
 def test_a_checkpoint_can_be_taken_after_shutdown(mpi_available, ranks):

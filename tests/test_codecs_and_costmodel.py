@@ -168,6 +168,7 @@ def test_calibration_grows_the_transfer_past_a_cycle_locked_latency(monkeypatch,
         assert costmodel.dense_time(bucket, 2, link) == pytest.approx(times[3], rel=1e-6)
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 @pytest.mark.parametrize("bandwidth,numba,want", [(1e6, True, "golomb"), (1e12, True, "plain"),
                                                   (1e6, False, "plain")])
 def test_index_coding_auto_follows_the_link(monkeypatch, bandwidth, numba, want):
@@ -223,6 +224,7 @@ def test_golomb_trade():
     assert codec_s == pytest.approx(1000 * 1e-8 + 3000 * 2e-8)
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 @pytest.mark.parametrize("always_dense", [False, True])
 def test_dense_bucket_joining_an_allreduce_pays_no_latency(monkeypatch, always_dense):
     """With a tensor that is always dense, the step makes an allreduce anyway and a bucket

@@ -1135,6 +1135,7 @@ def test_a_compiled_models_state_resumes_on_the_plain_model(saved_prefix, loaded
     assert all(bool(torch.isfinite(p).all()) for p in m2.parameters())
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 @pytest.mark.parametrize("names", ["unnamed", "in_a_container"])
 def test_a_state_saved_under_other_parameter_names_resumes_by_position(names):
     """Torch and Horovod load optimizer states by position: a checkpoint made without
@@ -1389,6 +1390,7 @@ def test_a_refused_checkpoint_leaves_the_exchange_as_it_was():
     assert follows.communication_stats()["exchange"] == "gradient"
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 def test_a_checkpoint_of_another_layer_split_does_not_move_mass_between_layers():
     """Position matching is for names foreign to the model: where the saved buckets are this
     model's own parameters that are not sparse here (layer b trained and saved, then b

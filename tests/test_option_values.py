@@ -89,6 +89,7 @@ def test_a_scalar_density_of_one_is_horovods_step_for_adam(density):
     assert opt.communication_stats()["exchange"] == "gradient"
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 def test_a_scalar_density_picks_the_same_scope_as_the_float():
     names = [list(_wrap(density=d)[1].engine_state())
              for d in (0.001, np.float32(0.001), np.float32(0.05))]

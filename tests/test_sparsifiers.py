@@ -359,6 +359,7 @@ SPARSIFIER_ARGS = {
 }
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 @pytest.mark.parametrize("name", sorted(SPARSIFIER_ARGS))
 def test_every_sparsifier_conserves_mass_in_the_optimizer(name):
     torch.manual_seed(0)

@@ -521,6 +521,7 @@ class _RecordingPeer(LocalTransport):
         return handle
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 @pytest.mark.parametrize("ordered", [False, True], ids=["by-name", "by-order"])
 def test_buckets_start_as_they_complete_or_in_the_launch_order(ordered):
     """Gradients arrive last layer first; handing the wrapped optimizer the parameters last

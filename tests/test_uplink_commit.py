@@ -225,6 +225,7 @@ def test_nan_under_ignore_flows_through_the_plain_path(with_a_pass):
         assert torch.equal(torch.nan_to_num(p.detach()), torch.nan_to_num(q.detach()))
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 @pytest.mark.parametrize("in_scan", ["on", "off"])
 def test_unidirectional_sum_lands_in_p_grad_exactly(monkeypatch, in_scan):
     """Two ranks sending the same bytes: the average is what was sent, so p.grad plus the
@@ -371,6 +372,7 @@ def test_pieces_with_a_nan_from_another_rank(with_a_pass, one_thread):
     assert opt.communication_stats()["totals"]["gradient_reads"]["in_pieces"] == 6
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 @pytest.mark.parametrize("sparsifier", ["topk", "gaussiank", "threshold", "sbc", "randomk"])
 @pytest.mark.parametrize("scope", ["tensor", "model"])
 def test_weight_change_formed_in_the_scan_gives_the_bits_written_first(with_a_pass,
@@ -417,6 +419,7 @@ def test_a_method_giving_up_after_its_scan_sends_the_same_bits(with_a_pass, one_
     assert _same(_bits(model, opt), _bits(ref_model, ref_opt))
 
 
+@pytest.mark.usefixtures("one_bucket_per_tensor")
 @pytest.mark.parametrize("scope", ["tensor", "model"])
 def test_unidirectional_weight_changes_land_in_the_anchor(scope, with_a_pass, one_thread,
                                                           monkeypatch):

@@ -164,13 +164,20 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         """``whole``: the selection is over the whole bucket (not a sharded region), where a
         layer floor applies."""
         c = self.config
-        floor = c.layer_floor if whole and len(b.params) > 1 else 0.0
+        floor = self._floor(b) if whole else 0.0
         base = None if self._at_target_density() else \
             (c.density if direction == "up" else c.downlink_density)
         return SelectionContext(bucket=b.name, step=self.steps, rank=self.transport.rank(),
                                 direction=direction, watch=watch,
                                 segments=b.segments if floor else None, layer_floor=floor,
                                 base_density=base)
+
+    def _floor(self, b) -> float:
+        """The layer floor of a bucket's selection: 1 in a shared bucket of scope "tensor"
+        (one Top-K per tensor), the configured one in a bucket of several tensors, else 0."""
+        if b.layerwise:
+            return 1.0
+        return self.config.layer_floor if len(b.params) > 1 else 0.0
 
     def densities(self):
         """This step's (uplink, downlink) density: the targets, or on the warm-up's and the
@@ -404,7 +411,7 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         from the configured densities, so the choice stays the same through a density
         warm-up."""
         c = self.config
-        if c.bidirectional and c.layer_floor and len(b.params) > 1:
+        if c.bidirectional and self._floor(b):
             return True  # an owner sees one region: the layer floor needs the whole bucket
         if not self._global_rule(b):
             return False

@@ -582,7 +582,7 @@ if HAVE_NUMBA:
         """The exact top ``k`` of ``|a[lo:lo + n]|`` (ties by lowest index), in index order,
         into ``out[o:o + k]``. Candidates come from a threshold that the segment's fixed
         sample ranks ``rank``-th (when it has one), else, or when it found fewer than k, the
-        whole segment is ranked; ``_pick`` then decides exactly."""
+        whole segment is ranked; ``_pick_short`` then decides exactly."""
         if k >= n:
             for j in range(n):
                 out_idx[o + j] = lo + j
@@ -613,10 +613,7 @@ if HAVE_NUMBA:
             _pick_short(cidx[:c], cval[:c], k, out_idx, out_val, o)
             return
         # no sample, or it aimed too high or too low: rank the whole segment
-        pi, pv = _pick(np.arange(lo, lo + n), a[lo:lo + n], k, 0)
-        for j in range(k):
-            out_idx[o + j] = pi[j]
-            out_val[o + j] = pv[j]
+        _pick_short(np.arange(lo, lo + n), a[lo:lo + n], k, out_idx, out_val, o)
 
     @njit(cache=True)
     def _coarse_kth(scores, rank):
@@ -639,12 +636,35 @@ if HAVE_NUMBA:
         return one.view(np.float32)[0]
 
     @njit(cache=True)
+    def _kth_largest(mags, k):
+        """The k-th largest of non-negative floats, 1 <= k <= size: its bin in a histogram
+        of the top 12 bits, then a sort of that bin's entries alone (numba's partition cost
+        more than the rest of a short tensor's selection)."""
+        bits = mags.view(np.uint32)
+        hist = np.zeros(2048, dtype=np.int32)
+        for j in range(bits.size):
+            hist[bits[j] >> np.uint32(20)] += 1
+        b = 2047
+        above = 0
+        while above + hist[b] < k:
+            above += hist[b]
+            b -= 1
+        inbin = np.empty(hist[b], dtype=np.float32)
+        q = 0
+        for j in range(bits.size):
+            if (bits[j] >> np.uint32(20)) == b:
+                inbin[q] = mags[j]
+                q += 1
+        inbin.sort()
+        return inbin[inbin.size - (k - above)]
+
+    @njit(cache=True)
     def _pick_short(cidx, cval, k, out_idx, out_val, o):
-        """``_pick(cidx, cval, k, 0)`` written to ``out[o:o + k]``, for a short list: the k-th
-        magnitude by a partition (the radix's second histogram may span 65,536 bins, whose
-        zeroing costs more than ranking a few thousand candidates)."""
+        """``_pick(cidx, cval, k, 0)`` written to ``out[o:o + k]``, for the lists of one
+        tensor (the radix's second histogram may span 65,536 bins, whose zeroing costs more
+        than ranking a few thousand entries)."""
         mags = np.abs(cval)
-        kth = np.partition(mags, mags.size - k)[mags.size - k]
+        kth = _kth_largest(mags, k)
         above = 0
         for j in range(mags.size):
             above += mags[j] > kth

@@ -157,9 +157,11 @@ def scenario_bitwise(res):
 
 def scenario_watch_mixed(res):
     """Rank 1 scans its downlink residual every step, the others select from their watched
-    positions (as after a resume or join, when a rank's list is gone): still the same bits."""
+    positions (as after a resume or join, when a rank's list is gone): still the same bits.
+    One bucket per tensor: the watch serves buckets of one tensor (shared ones scan)."""
     if hvd.rank() == 1:
         os.environ["HVD_SPARSE_DOWNLINK_WATCH"] = "off"
+    os.environ["HVD_SPARSE_PACK_BELOW"] = "0"
     try:
         m = make_model(5)
         opt = hvd.DistributedOptimizer(
@@ -168,6 +170,7 @@ def scenario_watch_mixed(res):
             min_sparse_numel=0)
     finally:
         os.environ.pop("HVD_SPARSE_DOWNLINK_WATCH", None)
+        os.environ.pop("HVD_SPARSE_PACK_BELOW", None)
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     train(m, opt, 100)
     down = torch.cat([v.downlink for v in opt.engine_state().values() if v.sparse])
