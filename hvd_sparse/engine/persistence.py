@@ -161,7 +161,9 @@ class Checkpointing:
             if lost:
                 warnings.warn(
                     "the checkpoint's sparse buckets differ from this optimizer's (made with "
-                    "another density, scope, min_sparse_numel or named_parameters?): the "
+                    "another density, scope, min_sparse_numel or named_parameters, or by a "
+                    "version of hvd_sparse before short tensors shared buckets, which "
+                    "HVD_SPARSE_PACK_BELOW=0 resumes?): the "
                     f"unsent mass it holds for {', '.join(lost)}, which are not sparse buckets "
                     f"here (this optimizer's: {', '.join(sorted(mine)) or 'none'}), is dropped; "
                     "resume with the settings it was saved with to keep it")
