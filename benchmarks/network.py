@@ -69,11 +69,15 @@ OPTIMIZERS = {
     # the default with acc left to a commit pass after the collective instead of written by
     # the uplink's scan (HVD_SPARSE_ACC_IN_SCAN=off)
     "topk_commit_pass": [*SPARSE, "--sparsifier", "topk"],
+    # the default with one bucket per tensor (before short tensors shared buckets)
+    "topk_alone": [*SPARSE, "--sparsifier", "topk"],
 }
 #: environment a configuration runs under, beside the launcher's
-ENV = {"topk_commit_pass": {"HVD_SPARSE_ACC_IN_SCAN": "off"}}
+ENV = {"topk_commit_pass": {"HVD_SPARSE_ACC_IN_SCAN": "off"},
+       "topk_alone": {"HVD_SPARSE_PACK_BELOW": "0"}}
 PER_RANK_COUNT = ("floor", "dense", "topk", "topk_plain", "topk_layerwise", "topk_update",
-                  "topk_sparse", "topk_sharded", "topk_mpi4py", "topk_commit_pass")
+                  "topk_sparse", "topk_sharded", "topk_mpi4py", "topk_commit_pass",
+                  "topk_alone")
 
 
 def run(cmd, timeout, env=None):

@@ -1017,8 +1017,13 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         parameter costs more than the zeroing of a small one), streaming stores on the CPU."""
         if segs and segs[0].device.type != "cpu":
             torch._foreach_zero_(segs)
-        else:
-            for s in segs:
+            return
+        # on the CPU too, the short ones in one call (a shared bucket holds hundreds)
+        short = [s for s in segs if s.numel() * s.element_size() < stream.MIN_BYTES]
+        if short:
+            torch._foreach_zero_(short)
+        for s in segs:
+            if s.numel() * s.element_size() >= stream.MIN_BYTES:
                 stream.zero_(s)
 
     def _sparse_again(self, dense):

@@ -610,10 +610,10 @@ if HAVE_NUMBA:
             if c > cap:  # out of room
                 c = 0
         if c >= k:
-            _pick_short(cidx[:c], cval[:c], k, out_idx, out_val, o)
+            _pick_short(cidx[:c], cval[:c], 0, k, out_idx, out_val, o)
             return
         # no sample, or it aimed too high or too low: rank the whole segment
-        _pick_short(np.arange(lo, lo + n), a[lo:lo + n], k, out_idx, out_val, o)
+        _pick_short(cidx[:0], a[lo:lo + n], lo, k, out_idx, out_val, o)
 
     @njit(cache=True)
     def _coarse_kth(scores, rank):
@@ -636,14 +636,18 @@ if HAVE_NUMBA:
         return one.view(np.float32)[0]
 
     @njit(cache=True)
-    def _kth_largest(mags, k):
-        """The k-th largest of non-negative floats, 1 <= k <= size: its bin in a histogram
-        of the top 12 bits, then a sort of that bin's entries alone (numba's partition cost
-        more than the rest of a short tensor's selection)."""
-        bits = mags.view(np.uint32)
+    def _kth_and_ties(vals, k):
+        """The k-th largest magnitude of ``vals`` (1 <= k <= size), and how many entries equal
+        to it the k largest take: its bin in a histogram of the top 12 bits of ``|v|``, then
+        a sort of that bin's entries alone (numba's partition, or a radix whose second
+        histogram may span 65,536 bins, cost more than the rest of a short tensor's
+        selection). Two reads of ``vals``; NaN must have been ruled out."""
+        bits = vals.view(np.uint32)
+        mask = np.uint32(0x7FFFFFFF)
+        shift = np.uint32(20)
         hist = np.zeros(2048, dtype=np.int32)
         for j in range(bits.size):
-            hist[bits[j] >> np.uint32(20)] += 1
+            hist[(bits[j] & mask) >> shift] += 1
         b = 2047
         above = 0
         while above + hist[b] < k:
@@ -652,29 +656,32 @@ if HAVE_NUMBA:
         inbin = np.empty(hist[b], dtype=np.float32)
         q = 0
         for j in range(bits.size):
-            if (bits[j] >> np.uint32(20)) == b:
-                inbin[q] = mags[j]
+            if (bits[j] & mask) >> shift == b:
+                inbin[q] = abs(vals[j])
                 q += 1
         inbin.sort()
-        return inbin[inbin.size - (k - above)]
+        need = k - above  # taken from this bin, the largest first
+        kth = inbin[inbin.size - need]
+        i = inbin.size - 1
+        while inbin[i] > kth:
+            need -= 1
+            i -= 1
+        return kth, need
 
     @njit(cache=True)
-    def _pick_short(cidx, cval, k, out_idx, out_val, o):
+    def _pick_short(cidx, cval, base, k, out_idx, out_val, o):
         """``_pick(cidx, cval, k, 0)`` written to ``out[o:o + k]``, for the lists of one
-        tensor (the radix's second histogram may span 65,536 bins, whose zeroing costs more
-        than ranking a few thousand entries)."""
-        mags = np.abs(cval)
-        kth = _kth_largest(mags, k)
-        above = 0
-        for j in range(mags.size):
-            above += mags[j] > kth
-        ties = k - above  # taken at the k-th magnitude, lowest index first
+        tensor; with ``cidx`` empty the positions are ``base + j`` (a whole tensor, ranked
+        where it lies: no list made of it)."""
+        kth, ties = _kth_and_ties(cval, k)
         p = 0
-        for j in range(mags.size):
-            v = mags[j]
+        positions = cidx.size > 0
+        for j in range(cval.size):
+            v = abs(cval[j])
             if v > kth or (v == kth and ties > 0):
-                ties -= v == kth
-                out_idx[o + p] = cidx[j]
+                if v == kth:
+                    ties -= 1
+                out_idx[o + p] = cidx[j] if positions else base + j
                 out_val[o + p] = cval[j]
                 p += 1
 

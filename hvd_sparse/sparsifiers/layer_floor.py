@@ -14,6 +14,7 @@ Order everywhere: magnitude descending, then position ascending (the ties rule o
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Sequence, Tuple
 
@@ -24,11 +25,18 @@ from .base import k_for_density, topk_of
 
 def floors(segments: Sequence[Tuple[int, int]], density: float, floor: float) -> List[int]:
     """Each segment's guaranteed count: ``ceil(floor * k_i)``, at most its length."""
+    return list(_floors(tuple(segments), density, floor))
+
+
+@functools.lru_cache(maxsize=256)
+def _floors(segments, density, floor):
+    # asked several times a step per bucket (hundreds of tensors in a shared bucket): once
+    # per bucket and density
     out = []
     for lo, hi in segments:
         n = hi - lo
         out.append(min(n, math.ceil(floor * k_for_density(n, density))) if floor > 0 else 0)
-    return out
+    return tuple(out)
 
 
 def budget(numel: int, segments, density: float, floor: float) -> int:
