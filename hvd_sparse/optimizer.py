@@ -979,11 +979,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                                 "sparsifies floating-point gradients only")
             trainable.append((name_of[id(p)], p))
     scope = bucketing.resolve_scope(scope, density, sparsifier)
-    # one selection per tensor inside a shared bucket: a method that keeps a layer floor, and
-    # not where every bucket is asked to be sharded (an owner sees a region, not the tensors)
-    pack = bucketing.pack_below() if config.sparsifier.supports_layer_floor \
-        and config.downlink_sparsifier.supports_layer_floor \
-        and config.collective != "sharded" else 0
+    # one selection per tensor inside a shared bucket: a method that keeps a layer floor or
+    # chooses each entry by itself, and not where every bucket is asked to be sharded (an
+    # owner sees a region, not the tensors)
+    up, down = config.sparsifier, config.downlink_sparsifier
+    pack = bucketing.pack_below() if config.collective != "sharded" and (
+        (up.supports_layer_floor and down.supports_layer_floor)
+        or (up.elementwise and down.elementwise)) else 0
     plan = bucketing.plan_buckets(trainable, scope=scope, bucket_cap_mb=bucket_cap_mb,
                                   groups=groups, min_sparse_numel=min_sparse_numel,
                                   max_bucket_numel=max_bucket_numel, pack=pack)

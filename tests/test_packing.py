@@ -90,8 +90,11 @@ def _train(sizes, steps=6, pack=None, optimizer="sgd", monkeypatch=None, **optio
 
 @pytest.mark.parametrize("optimizer,options", [
     ("sgd", {}), ("sgd", {"bidirectional": False}), ("adamw", {}),
-    ("sgd", {"momentum_correction": 0.9}), ("sgd", {"value_dtype": torch.float16})],
-    ids=["gradients", "uplink-only", "updates", "momentum-correction", "fp16-wire"])
+    ("sgd", {"momentum_correction": 0.9}), ("sgd", {"value_dtype": torch.float16}),
+    ("sgd", {"sparsifier": "threshold", "threshold": 0.02}),
+    ("adamw", {"sparsifier": "threshold", "threshold": 1e-3})],
+    ids=["gradients", "uplink-only", "updates", "momentum-correction", "fp16-wire",
+         "threshold", "threshold-updates"])
 def test_packed_buckets_train_to_the_same_bits_as_one_bucket_per_tensor(
         optimizer, options, monkeypatch):
     sizes = [3000, 20000, 5000, 150000, 17000, 40000, 2500]
@@ -109,12 +112,18 @@ def test_packed_buckets_train_to_the_same_bits_as_one_bucket_per_tensor(
         alone_opt.communication_stats()["totals"]["selected"]
 
 
-def test_the_default_packs_topk_but_not_other_methods_or_a_sharded_exchange(monkeypatch):
+def test_the_default_shares_for_topk_and_threshold_only_and_not_when_sharded(monkeypatch):
     monkeypatch.delenv("HVD_SPARSE_PACK_BELOW", raising=False)
     sizes = [3000, 5000, 7000]
     _, opt = _train(sizes, steps=1, monkeypatch=monkeypatch)
     assert len(opt.engine_state()) == 1
-    _, opt = _train(sizes, steps=1, monkeypatch=monkeypatch, sparsifier="gaussiank")
-    assert len(opt.engine_state()) == 3
+    for method in ("gaussiank", "sbc", "randomk", "adaptive"):
+        extra = {"total_steps": 10} if method == "adaptive" else {}
+        _, opt = _train(sizes, steps=1, monkeypatch=monkeypatch, sparsifier=method, **extra)
+        assert len(opt.engine_state()) == 3, method
+    # the hard threshold chooses each entry by itself: shared, without a floor
+    _, opt = _train(sizes, steps=1, monkeypatch=monkeypatch, sparsifier="threshold",
+                    threshold=0.01)
+    assert len(opt.engine_state()) == 1
     _, opt = _train(sizes, steps=1, monkeypatch=monkeypatch, collective="sharded")
     assert len(opt.engine_state()) == 3

@@ -174,9 +174,10 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
 
     def _floor(self, b) -> float:
         """The layer floor of a bucket's selection: 1 in a shared bucket of scope "tensor"
-        (one Top-K per tensor), the configured one in a bucket of several tensors, else 0."""
+        (one Top-K per tensor; a method that chooses each entry by itself needs none), the
+        configured one in a bucket of several tensors, else 0."""
         if b.layerwise:
-            return 1.0
+            return 1.0 if self.config.sparsifier.supports_layer_floor else 0.0
         return self.config.layer_floor if len(b.params) > 1 else 0.0
 
     def densities(self):

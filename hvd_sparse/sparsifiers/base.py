@@ -94,6 +94,9 @@ class Sparsifier:
     constant_value = False
     #: the method honours ``SelectionContext.layer_floor`` (a per-tensor floor in a bucket)
     supports_layer_floor = False
+    #: whether an entry is chosen by its own value alone (a fixed threshold): a bucket of
+    #: several tensors then selects exactly what one bucket per tensor would
+    elementwise = False
 
     def select(self, acc: torch.Tensor, density: float, ctx: SelectionContext) -> torch.Tensor:
         """Return int64 positions (ascending, unique) of the entries of ``acc`` to send."""

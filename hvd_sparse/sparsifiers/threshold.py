@@ -37,6 +37,7 @@ class HardThreshold(Sparsifier):
     """Select exactly the entries with ``|acc| >= threshold``; ``density`` is not used."""
 
     name = "threshold"
+    elementwise = True
 
     def __init__(self, threshold: float):
         if isinstance(threshold, torch.Tensor) and threshold.numel() == 1:
