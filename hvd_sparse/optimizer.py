@@ -979,16 +979,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                                 "sparsifies floating-point gradients only")
             trainable.append((name_of[id(p)], p))
     scope = bucketing.resolve_scope(scope, density, sparsifier)
-    # one selection per tensor inside a shared bucket: a method that keeps a layer floor or
-    # chooses each entry by itself, and not where every bucket is asked to be sharded (an
-    # owner sees a region, not the tensors)
-    up, down = config.sparsifier, config.downlink_sparsifier
-    pack = bucketing.pack_below() if config.collective != "sharded" and (
-        (up.supports_layer_floor and down.supports_layer_floor)
-        or (up.elementwise and down.elementwise)) else 0
-    plan = bucketing.plan_buckets(trainable, scope=scope, bucket_cap_mb=bucket_cap_mb,
-                                  groups=groups, min_sparse_numel=min_sparse_numel,
-                                  max_bucket_numel=max_bucket_numel, pack=pack)
+    # one selection per tensor inside a shared bucket (see _may_share)
+    pack = bucketing.pack_below() if _may_share(config) else 0
+
+    def plan_with(pack):
+        return bucketing.plan_buckets(trainable, scope=scope, bucket_cap_mb=bucket_cap_mb,
+                                      groups=groups, min_sparse_numel=min_sparse_numel,
+                                      max_bucket_numel=max_bucket_numel, pack=pack)
+    plan = plan_with(pack)
     if config.layer_floor > 0 and all(len(b.params) == 1 or b.layerwise
                                       for b in plan if b.sparse):
         warnings.warn(f"layer_floor={config.layer_floor!r} has no effect: every sparse bucket "
@@ -1004,6 +1002,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         for b in plan:  # Horovod's allreduce from the first step: no allgather, no
             b.sparse = False  # calibration, and hvd.join() works as Horovod's
     transport = make_transport(transport, process_set)
+    if any(b.layerwise for b in plan) and config.collective != "allgather" \
+            and transport.size() >= 4:
+        # from 4 ranks the time cost model (or, before it, the byte rule) may shard a
+        # tensor's bucket, which receives far fewer bytes at many ranks than gathering a
+        # shared one (an owner sees a region, not the tensors, so a shared Top-K bucket
+        # cannot be sharded): one bucket per tensor there
+        plan = plan_with(0)
+        if _sends_everything(config):
+            for b in plan:
+                b.sparse = False
 
     base = type(optimizer)
     body = {k: v for k, v in _SparseDistributedOptimizer.__dict__.items()
@@ -1026,6 +1034,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                      process_set=process_set)
     _LIVE.add(wrapped)
     return wrapped
+
+
+def _may_share(c) -> bool:
+    """May short tensors share buckets under scope "tensor" (:func:`buckets._pack_layerwise`)
+    and still be selected as one bucket each? With a method that keeps a per-tensor floor
+    (Top-K, ranked per tensor by numba) or chooses each entry by itself (the hard threshold),
+    where nothing else looks at a bucket as a whole: not with ``local_clip_norm`` (one norm
+    per bucket) nor where every bucket is asked to be sharded."""
+    from .kernels import cpu
+
+    up, down = c.sparsifier, c.downlink_sparsifier
+    return cpu.available() and c.local_clip_norm is None and c.collective != "sharded" and (
+        (up.supports_layer_floor and down.supports_layer_floor)
+        or (up.elementwise and down.elementwise))
 
 
 def _sends_everything(c) -> bool:

@@ -127,3 +127,67 @@ def test_the_default_shares_for_topk_and_threshold_only_and_not_when_sharded(mon
     assert len(opt.engine_state()) == 1
     _, opt = _train(sizes, steps=1, monkeypatch=monkeypatch, collective="sharded")
     assert len(opt.engine_state()) == 3
+
+
+class _FourRanks(_EchoPeer):
+    def size(self):
+        return 4
+
+    def allgather_async(self, payload, name):
+        return torch.cat([payload] * 4)
+
+
+def test_no_sharing_where_a_bucket_is_judged_whole_or_may_be_sharded(monkeypatch):
+    """``local_clip_norm`` takes one norm per bucket (shared tensors would be clipped by
+    their joint norm), and from 4 ranks the exchange may shard a tensor's bucket, which a
+    shared Top-K bucket cannot be (a review of the session's diff)."""
+    monkeypatch.delenv("HVD_SPARSE_PACK_BELOW", raising=False)
+    sizes = [3000, 5000, 2500]
+    _, opt = _train(sizes, steps=2, monkeypatch=monkeypatch, local_clip_norm=1.0)
+    assert len(opt.engine_state()) == 3
+    named = [(f"t{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+
+    def buckets_at_four(**options):
+        opt = hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD([p for _, p in named], lr=0.1), named_parameters=named,
+            density=0.02, cost_model="off", check_config=False, transport=_FourRanks(),
+            **options)
+        return len(opt.engine_state())
+
+    assert buckets_at_four() == 3  # collective="auto"
+    assert buckets_at_four(collective="allgather") == 1
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_subnormals_rank_alike_whatever_the_threads_flush(threads):
+    """A tensor with fewer normal entries than its k, holding subnormals, ranked whole: by
+    the bits of |v| (as one bucket per tensor ranks them), so a thread that flushes
+    subnormals to zero picks what every other thread picks (a review found the float
+    comparison picking zeros there instead)."""
+    from hvd_sparse.kernels import cpu
+    from hvd_sparse.sparsifiers import TopK
+    from hvd_sparse.sparsifiers.base import SelectionContext
+
+    if not cpu.available():
+        pytest.skip("numba is not installed")
+    gen = torch.Generator().manual_seed(3)
+    segments = ((0, 20000), (20000, 26000))
+    r = torch.zeros(26000)
+    for lo, hi in segments:
+        pos = lo + torch.randperm(hi - lo, generator=gen)[:400]
+        r[pos] = torch.rand(400, generator=gen) * 1e-39  # subnormal
+        r[lo + 7] = 1.0
+    ctx = SelectionContext("b", segments=segments, layer_floor=1.0)
+    before_threads, before_ftz = torch.get_num_threads(), None
+    torch.set_num_threads(threads)
+    try:
+        plain = TopK().fused(cpu, None, r.clone(), 0.001, ctx).idx
+        before_ftz = torch.set_flush_denormal(True)
+        flushed = TopK().fused(cpu, None, r.clone(), 0.001, ctx).idx
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(before_threads)
+    assert before_ftz is not None
+    assert torch.equal(flushed, plain)
+    # the largest subnormals were chosen, not zeros by lowest index
+    assert bool((r[plain] != 0).all())

@@ -637,11 +637,13 @@ if HAVE_NUMBA:
 
     @njit(cache=True)
     def _kth_and_ties(vals, k):
-        """The k-th largest magnitude of ``vals`` (1 <= k <= size), and how many entries equal
-        to it the k largest take: its bin in a histogram of the top 12 bits of ``|v|``, then
-        a sort of that bin's entries alone (numba's partition, or a radix whose second
-        histogram may span 65,536 bins, cost more than the rest of a short tensor's
-        selection). Two reads of ``vals``; NaN must have been ruled out."""
+        """The bits of the k-th largest magnitude of ``vals`` (1 <= k <= size), and how many
+        entries of those bits the k largest take: its bin in a histogram of the top 12 bits
+        of ``|v|``, then a sort of that bin's entries alone (numba's partition, or a radix
+        whose second histogram may span 65,536 bins, cost more than the rest of a short
+        tensor's selection). Magnitudes are compared as the bit patterns of ``|v|`` (which
+        order like the values, as ``_pick`` ranks them), so a thread that flushes subnormals
+        to zero ranks them as every other thread does. Two reads; NaN ruled out before."""
         bits = vals.view(np.uint32)
         mask = np.uint32(0x7FFFFFFF)
         shift = np.uint32(20)
@@ -653,11 +655,12 @@ if HAVE_NUMBA:
         while above + hist[b] < k:
             above += hist[b]
             b -= 1
-        inbin = np.empty(hist[b], dtype=np.float32)
+        inbin = np.empty(hist[b], dtype=np.uint32)
         q = 0
         for j in range(bits.size):
-            if (bits[j] & mask) >> shift == b:
-                inbin[q] = abs(vals[j])
+            m = bits[j] & mask
+            if m >> shift == b:
+                inbin[q] = m
                 q += 1
         inbin.sort()
         need = k - above  # taken from this bin, the largest first
@@ -674,12 +677,14 @@ if HAVE_NUMBA:
         tensor; with ``cidx`` empty the positions are ``base + j`` (a whole tensor, ranked
         where it lies: no list made of it)."""
         kth, ties = _kth_and_ties(cval, k)
+        bits = cval.view(np.uint32)
+        mask = np.uint32(0x7FFFFFFF)
         p = 0
         positions = cidx.size > 0
         for j in range(cval.size):
-            v = abs(cval[j])
-            if v > kth or (v == kth and ties > 0):
-                if v == kth:
+            m = bits[j] & mask
+            if m > kth or (m == kth and ties > 0):
+                if m == kth:
                     ties -= 1
                 out_idx[o + p] = cidx[j] if positions else base + j
                 out_val[o + p] = cval[j]
