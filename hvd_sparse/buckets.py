@@ -125,7 +125,13 @@ def pack_below() -> int:
     """:data:`PACK_BELOW`, or ``HVD_SPARSE_PACK_BELOW`` (entries; 0: one bucket per tensor,
     for comparisons). Must be the same on every rank (the buckets are compared)."""
     value = os.environ.get("HVD_SPARSE_PACK_BELOW")
-    return PACK_BELOW if value is None else int(value)
+    if value is None:
+        return PACK_BELOW
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"HVD_SPARSE_PACK_BELOW must be a whole number of entries (0: one "
+                         f"bucket per tensor), got {value!r}") from None
 
 
 def _pack_layerwise(params, below, cap):

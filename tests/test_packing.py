@@ -191,3 +191,9 @@ def test_subnormals_rank_alike_whatever_the_threads_flush(threads):
     assert torch.equal(flushed, plain)
     # the largest subnormals were chosen, not zeros by lowest index
     assert bool((r[plain] != 0).all())
+
+
+def test_a_malformed_pack_setting_is_refused_clearly(monkeypatch):
+    monkeypatch.setenv("HVD_SPARSE_PACK_BELOW", "lots")
+    with pytest.raises(ValueError, match="HVD_SPARSE_PACK_BELOW must be a whole number"):
+        _train([3000, 4000], steps=1)
