@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import warnings
 
+import torch
+
 from .. import checkpoint
 from ..feedback import Residual
 
@@ -89,6 +91,9 @@ class Checkpointing:
                 st = self.state[b.index]
                 entry = rep["buckets"][b.name]
                 entry["numel"] = b.numel
+                # which parameters' entries it holds, in order: a checkpoint resumed where the
+                # tensors are grouped otherwise (shared buckets, another scope) is regrouped
+                entry["members"] = [[n, lo, hi] for n, (lo, hi) in zip(b.names, b.slices)]
                 entry["downlink"] = st.downlink.state()
                 entry["uplink"] = st.uplink.state()
                 entry["velocity"] = st.velocity.state() if st.velocity else None
@@ -151,6 +156,7 @@ class Checkpointing:
         extra = _compiled_names_matched(extra, set(mine), [b.name for b in self.buckets])
         extra = _positions_matched(extra, order, self.buckets,
                                    getattr(self, "known_names", set()))
+        extra = _regrouped(extra, order)
         saved = extra["buckets"]
         for bname in sorted(set(saved) & set(mine)):
             if saved[bname]["numel"] != mine[bname].numel:
@@ -161,9 +167,7 @@ class Checkpointing:
             if lost:
                 warnings.warn(
                     "the checkpoint's sparse buckets differ from this optimizer's (made with "
-                    "another density, scope, min_sparse_numel or named_parameters, or by a "
-                    "version of hvd_sparse before short tensors shared buckets, which "
-                    "HVD_SPARSE_PACK_BELOW=0 resumes?): the "
+                    "another density, scope, min_sparse_numel or named_parameters?): the "
                     f"unsent mass it holds for {', '.join(lost)}, which are not sparse buckets "
                     f"here (this optimizer's: {', '.join(sorted(mine)) or 'none'}), is dropped; "
                     "resume with the settings it was saved with to keep it")
@@ -352,6 +356,74 @@ def _positions_matched(extra: dict, order: list, buckets: list, names=frozenset(
             and [a.numel() for a in anchors.values()] == [b.numel for b in buckets]:
         rename.update(zip(anchors, (b.name for b in buckets)))  # every bucket's, in order
     return _renamed(extra, lambda k: rename.get(k, k))
+
+
+#: the per-entry tensors of a saved bucket, laid out like its entries
+_LAID_OUT = ("uplink", "downlink", "velocity")
+
+
+def _regrouped(extra: dict, order: list) -> dict:
+    """``extra`` with the mass of saved buckets that are not this optimizer's moved, parameter
+    by parameter, into this optimizer's buckets that the checkpoint lacks, where every
+    parameter slice such a bucket holds is in the checkpoint (the same tensors grouped
+    otherwise: short tensors sharing buckets or not, another scope). A saved bucket's members
+    are recorded since the thirty-fourth session; one without them counts as the parameter it
+    is named after when its length is that parameter's (one bucket per tensor, as before).
+    Residuals, velocity and anchors move; the cost model's choices start afresh for the
+    regrouped buckets. Saved buckets not wholly used stay for :meth:`checked_state`'s
+    warning."""
+    saved = extra["buckets"]
+    missing = [b for b in order if b.name not in saved]
+    foreign = [n for n in saved if all(n != b.name for b in order)]
+    if not missing or not foreign:
+        return extra
+    numel_of = {n: p.numel() for b in order for n, p in zip(b.names, b.params)}
+    anchors = extra.get("anchors", {})
+    pieces, source = {}, {}  # (parameter, lo, hi) -> {field: tensor}, and its saved bucket
+    for name in foreign:
+        entry = saved[name]
+        members = entry.get("members")
+        if members is None and numel_of.get(name) == entry.get("numel"):
+            members = [[name, 0, entry["numel"]]]
+        if not members or entry.get("shard") is not None:
+            continue
+        off = 0
+        for pname, lo, hi in members:
+            key = (pname, int(lo), int(hi))
+            fields = {f: None if entry.get(f) is None else entry[f][off:off + hi - lo]
+                      for f in _LAID_OUT}
+            a = anchors.get(name)
+            fields["anchor"] = None if a is None else a.reshape(-1)[off:off + hi - lo]
+            pieces[key], source[key] = fields, name
+            off += hi - lo
+    placed = set()
+    buckets, anchors = dict(saved), dict(anchors)
+    for b in missing:
+        keys = [(n, lo, hi) for n, (lo, hi) in zip(b.names, b.slices)]
+        if not all(k in pieces for k in keys):
+            continue
+        entry = {"numel": b.numel, "mode": "sparse", "bounds": None, "load": None,
+                 "costs": {}, "shard": None, "members": [list(k) for k in keys]}
+        for f in _LAID_OUT + ("anchor",):
+            parts = [pieces[k][f] for k in keys]
+            whole = None
+            if any(t is not None for t in parts):
+                like = next(t for t in parts if t is not None)
+                whole = torch.cat([t if t is not None else like.new_zeros(hi - lo)
+                                   for t, (_, lo, hi) in zip(parts, keys)])
+            if f != "anchor":
+                entry[f] = whole
+            elif all(t is not None for t in parts):  # (else the engine anchors afresh)
+                anchors[b.name] = whole
+        buckets[b.name] = entry
+        placed.update(keys)
+    if not placed:
+        return extra
+    for name in set(source.values()):  # a saved bucket wholly moved is gone
+        if all(k in placed for k, v in source.items() if v == name):
+            buckets.pop(name, None)
+            anchors.pop(name, None)
+    return dict(extra, buckets=buckets, anchors=anchors)
 
 
 def _renamed(extra: dict, new_name) -> dict:
