@@ -499,8 +499,8 @@ def test_library_scope_auto_is_global_for_topk_below_one_percent():
     # Top-K named in any case or given as an instance chooses the same
     assert sparse(density=0.001, sparsifier="TopK") == [2]
     assert sparse(density=0.001, sparsifier=hvd_sparse.TopK()) == [2]
-    # a checkpoint made per tensor (the default before) loads, and says what it drops and how
-    # to keep it
+    # a checkpoint made per tensor (the default before) loads, its residuals moved parameter
+    # by parameter into the one global bucket (they had been dropped, with a warning)
     def wrapped(**kw):
         return hvd_sparse.DistributedOptimizer(
             torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
@@ -509,12 +509,17 @@ def test_library_scope_auto_is_global_for_topk_below_one_percent():
     before = wrapped(scope="tensor")
     m(torch.randn(2, 64)).sum().backward()
     before.step()
-    with pytest.warns(UserWarning, match="scope.*dropped.*settings it was saved with"):
-        wrapped().load_state_dict(before.state_dict())
     import warnings
+    saved = before.state_dict()["hvd_sparse"]["buckets"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        after = wrapped()
+        after.load_state_dict(before.state_dict())
         wrapped(scope="tensor").load_state_dict(before.state_dict())
+    (whole,) = after.state_dict()["hvd_sparse"]["buckets"].values()
+    assert torch.equal(whole["uplink"], torch.cat([saved["0.weight"]["uplink"],
+                                                   saved["1.weight"]["uplink"]]))
+    assert bool(whole["uplink"].any())
 
 
 def test_mpi_front_end_refuses_another_launcher_and_takes_horovods_arguments(mpi4py_available):
