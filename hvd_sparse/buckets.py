@@ -134,13 +134,14 @@ def pack_below() -> int:
                          f"bucket per tensor), got {value!r}") from None
 
 
-def _pack_layerwise(params, below, cap):
+def _pack_layerwise(params, below, cap, alone=None):
     """Runs of consecutive float32 CPU tensors shorter than ``below`` entries, each run cut
     into buckets of at most ``cap`` entries; every other tensor alone. Why: each bucket costs
     the engine about 0.3 ms of Python per step on the CPU whatever its length, more than
     selecting from 100,000 entries; a shared bucket keeps one Top-K per tensor (a layer
-    floor of 1, ranked in one numba call) and so the same selection. Returns chunks of
-    (name, param), and which of them are shared."""
+    floor of 1, ranked in one numba call) and so the same selection. ``alone(numel)``: a
+    tensor it answers True for keeps a bucket of its own. Returns chunks of (name, param),
+    and which of them are shared."""
     chunks, shared, run, size = [], set(), [], 0
 
     def close():
@@ -152,7 +153,8 @@ def _pack_layerwise(params, below, cap):
         run, size = [], 0
 
     for n, p in params:
-        short = p.numel() < below and p.dtype == torch.float32 and p.device.type == "cpu"
+        short = p.numel() < below and p.dtype == torch.float32 and p.device.type == "cpu" \
+            and not (alone is not None and alone(p.numel()))
         if not short:
             close()
             chunks.append([(n, p)])
@@ -226,11 +228,13 @@ def _is_topk(sparsifier) -> bool:
 
 def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str = "tensor",
                  bucket_cap_mb: float = 25.0, groups=None, min_sparse_numel: int = 1024,
-                 max_bucket_numel: Optional[int] = None, pack: int = 0) -> List[Bucket]:
+                 max_bucket_numel: Optional[int] = None, pack: int = 0,
+                 alone=None) -> List[Bucket]:
     """Group ``(name, parameter)`` pairs (in optimizer order) into buckets.
 
     ``pack`` (entries; scope "tensor" only, for a method that selects per tensor inside a
-    bucket): the tensors below it share layer-wise buckets (:func:`_pack_layerwise`).
+    bucket): the tensors below it share layer-wise buckets (:func:`_pack_layerwise`), but
+    those ``alone(numel)`` keeps apart.
 
     Tensors below ``min_sparse_numel`` entries are packed into one dense bucket per dtype and
     device (Horovod's ``groups`` excepted: there a group below it goes dense as a whole);
@@ -264,7 +268,7 @@ def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str
         packed.update(id(c) for c in chunks)
         if scope == "tensor" and pack > 0:
             cap = PACK_NUMEL if max_bucket_numel is None else min(PACK_NUMEL, max_bucket_numel)
-            more, layerwise = _pack_layerwise(params, min(pack, cap + 1), cap)
+            more, layerwise = _pack_layerwise(params, min(pack, cap + 1), cap, alone)
             chunks += more
         else:
             chunks += _scope_chunks(params, scope, bucket_cap_mb)

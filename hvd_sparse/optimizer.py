@@ -982,10 +982,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     # one selection per tensor inside a shared bucket (see _may_share)
     pack = bucketing.pack_below() if _may_share(config) else 0
 
-    def plan_with(pack):
+    def plan_with(pack, alone=None):
         return bucketing.plan_buckets(trainable, scope=scope, bucket_cap_mb=bucket_cap_mb,
                                       groups=groups, min_sparse_numel=min_sparse_numel,
-                                      max_bucket_numel=max_bucket_numel, pack=pack)
+                                      max_bucket_numel=max_bucket_numel, pack=pack,
+                                      alone=alone)
     plan = plan_with(pack)
     if config.layer_floor > 0 and all(len(b.params) == 1 or b.layerwise
                                       for b in plan if b.sparse):
@@ -1002,13 +1003,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         for b in plan:  # Horovod's allreduce from the first step: no allgather, no
             b.sparse = False  # calibration, and hvd.join() works as Horovod's
     transport = make_transport(transport, process_set)
-    if any(b.layerwise for b in plan) and config.collective != "allgather" \
-            and transport.size() >= 4:
-        # from 4 ranks the time cost model (or, before it, the byte rule) may shard a
-        # tensor's bucket, which receives far fewer bytes at many ranks than gathering a
-        # shared one (an owner sees a region, not the tensors, so a shared Top-K bucket
-        # cannot be sharded): one bucket per tensor there
-        plan = plan_with(0)
+    alone = _shardable(config, transport.size())
+    if alone is not None and any(b.layerwise for b in plan):
+        plan = plan_with(pack, alone)
         if _sends_everything(config):
             for b in plan:
                 b.sparse = False
@@ -1048,6 +1045,26 @@ def _may_share(c) -> bool:
     return cpu.available() and c.local_clip_norm is None and c.collective != "sharded" and (
         (up.supports_layer_floor and down.supports_layer_floor)
         or (up.elementwise and down.elementwise))
+
+
+def _shardable(c, size):
+    """From 4 ranks the exchange may shard a tensor's bucket, which at many ranks receives far
+    fewer bytes than gathering it, while a shared Top-K bucket with a downlink selection is
+    always gathered (an owner sees a region, not the tensors): ``None`` where nothing changes
+    (an allgather asked for, fewer ranks, no downlink selection, or a method that selects
+    each entry by itself, which an owner does alike), else which tensor lengths keep a bucket
+    of their own: those the byte rule would shard (every one under the region rule)."""
+    from .engine import sharded
+    from .sparsifiers import k_for_density
+
+    if c.collective == "allgather" or size < 4 or not c.bidirectional \
+            or not c.downlink_sparsifier.supports_layer_floor:
+        return None
+    if c.sharded_selection != "global":
+        return lambda numel: True
+    pair = 4 + (c.value_dtype or torch.float32).itemsize  # int32 positions, float values
+    return lambda numel: not sharded.allgather_is_cheaper(
+        k_for_density(numel, c.density), k_for_density(numel, c.downlink_density), size, pair)
 
 
 def _sends_everything(c) -> bool:

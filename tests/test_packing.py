@@ -129,33 +129,44 @@ def test_the_default_shares_for_topk_and_threshold_only_and_not_when_sharded(mon
     assert len(opt.engine_state()) == 3
 
 
-class _FourRanks(_EchoPeer):
+class _Ranks(_EchoPeer):
+    def __init__(self, size):
+        self._size = size
+
     def size(self):
-        return 4
+        return self._size
 
     def allgather_async(self, payload, name):
-        return torch.cat([payload] * 4)
+        return torch.cat([payload] * self._size)
 
 
 def test_no_sharing_where_a_bucket_is_judged_whole_or_may_be_sharded(monkeypatch):
     """``local_clip_norm`` takes one norm per bucket (shared tensors would be clipped by
     their joint norm), and from 4 ranks the exchange may shard a tensor's bucket, which a
-    shared Top-K bucket cannot be (a review of the session's diff)."""
+    shared Top-K bucket with a downlink selection cannot be (a review of the session's
+    diff): there the tensors that the byte rule would shard keep their own buckets."""
     monkeypatch.delenv("HVD_SPARSE_PACK_BELOW", raising=False)
     sizes = [3000, 5000, 2500]
     _, opt = _train(sizes, steps=2, monkeypatch=monkeypatch, local_clip_norm=1.0)
     assert len(opt.engine_state()) == 3
-    named = [(f"t{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
 
-    def buckets_at_four(**options):
+    def buckets_at(ranks, sizes, **options):
+        named = [(f"t{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
         opt = hvd_sparse.DistributedOptimizer(
             torch.optim.SGD([p for _, p in named], lr=0.1), named_parameters=named,
-            density=0.02, cost_model="off", check_config=False, transport=_FourRanks(),
+            density=0.02, cost_model="off", check_config=False, transport=_Ranks(ranks),
             **options)
-        return len(opt.engine_state())
+        return sorted(len(b.parameters) for b in opt.engine_state().values())
 
-    assert buckets_at_four() == 3  # collective="auto"
-    assert buckets_at_four(collective="allgather") == 1
+    # short tensors that the byte rule gathers anyway share at 4 ranks, under "auto" too
+    assert buckets_at(4, sizes) == [3]
+    # at 16 ranks a 60k-entry tensor's own bucket would be sharded: it keeps it
+    assert buckets_at(16, [60000, 3000, 5000]) == [1, 2]
+    assert buckets_at(16, [60000, 3000, 5000], collective="allgather") == [3]
+    # the region rule may shard any of them; without a downlink selection a shared bucket
+    # is sharded as well as a tensor's own
+    assert buckets_at(4, sizes, sharded_selection="region") == [1, 1, 1]
+    assert buckets_at(16, [60000, 3000, 5000], bidirectional=False) == [3]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
