@@ -268,6 +268,8 @@ def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str
         packed.update(id(c) for c in chunks)
         if scope == "tensor" and pack > 0:
             cap = PACK_NUMEL if max_bucket_numel is None else min(PACK_NUMEL, max_bucket_numel)
+            # only tensors that fit a shared bucket whole (at most cap entries) share one, so
+            # no shared bucket is ever cut by max_bucket_numel
             more, layerwise = _pack_layerwise(params, min(pack, cap + 1), cap, alone)
             chunks += more
         else:

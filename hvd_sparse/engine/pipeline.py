@@ -1019,13 +1019,15 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         if segs and segs[0].device.type != "cpu":
             torch._foreach_zero_(segs)
             return
-        # on the CPU too, the short ones in one call (a shared bucket holds hundreds)
-        short = [s for s in segs if s.numel() * s.element_size() < stream.MIN_BYTES]
+        # on the CPU too, the short ones in one call (a shared bucket holds hundreds); the
+        # long ones with streaming stores
+        short, long = [], []
+        for s in segs:
+            (short if s.numel() * s.element_size() < stream.MIN_BYTES else long).append(s)
         if short:
             torch._foreach_zero_(short)
-        for s in segs:
-            if s.numel() * s.element_size() >= stream.MIN_BYTES:
-                stream.zero_(s)
+        for s in long:
+            stream.zero_(s)
 
     def _sparse_again(self, dense):
         """A sparse gradient handed back in the layout Horovod's optimizer gives it: with
