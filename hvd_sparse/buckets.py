@@ -43,6 +43,8 @@ class Bucket:
     slices: List[Tuple[int, int]] = None
     #: several tensors, each selected by itself (scope "tensor": a layer floor of 1)
     layerwise: bool = False
+    #: every parameter held whole (no slice of a split one): whole-gradient copies apply
+    whole: bool = True
 
     def __post_init__(self):
         if self.slices is None:
@@ -53,6 +55,8 @@ class Bucket:
             self.offsets.append(off)
             off += hi - lo
         self.numel = off
+        self.whole = all(lo == 0 and hi == p.numel() for p, (lo, hi) in zip(self.params,
+                                                                           self.slices))
         self.tag = wire.fingerprint(self.name, self.numel)
         self.index_dtype = wire.index_dtype_for(self.numel)
 

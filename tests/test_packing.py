@@ -112,6 +112,67 @@ def test_packed_buckets_train_to_the_same_bits_as_one_bucket_per_tensor(
         alone_opt.communication_stats()["totals"]["selected"]
 
 
+class _InPlacePeer(_EchoPeer):
+    """Reduces in place, as Horovod's ``allreduce_async_`` does, and keeps what it reduced."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduced = []
+
+    def allreduce_async(self, tensor, name, *, average, prescale=1.0, postscale=1.0):
+        self.reduced.append(tensor)
+        return tensor.mul_(prescale * postscale)
+
+
+@pytest.mark.parametrize("pack", [buckets.PACK_BELOW, 0], ids=["shared", "alone"])
+def test_a_dense_bucket_of_many_tensors_writes_every_gradient_in_its_layout(pack,
+                                                                            monkeypatch):
+    """A bucket that goes dense (here the dense warm-up) is one allreduce of its tensors
+    copied together, then copied back: a missing gradient reads as zeros, a transposed or
+    channels_last one keeps its logical order, a contiguous one is written in place (the
+    tensor user code holds)."""
+    monkeypatch.setenv("HVD_SPARSE_PACK_BELOW", str(pack))
+    torch.manual_seed(0)
+    named = [("a", torch.nn.Parameter(torch.randn(40, 50))),
+             ("b", torch.nn.Parameter(torch.randn(3000))),
+             ("c", torch.nn.Parameter(torch.randn(8, 6, 5, 7))),
+             ("d", torch.nn.Parameter(torch.randn(60, 70))),
+             ("e", torch.nn.Parameter(torch.randn(2000)))]
+    peer = _InPlacePeer()
+    opt = hvd_sparse.DistributedOptimizer(
+        torch.optim.SGD([p for _, p in named], lr=0.1), named_parameters=named,
+        dense_warmup_steps=5, cost_model="off", check_config=False, transport=peer)
+    if pack:
+        assert len(opt.engine_state()) < len(named)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        opt.zero_grad()
+        a, b, c, d, e = (p for _, p in named)
+        a.grad = torch.randn(40, 50, generator=gen)
+        c.grad = torch.randn(8, 6, 5, 7, generator=gen)
+        if step == 0:  # (then plain ones: the bucket's gradients copied in one call)
+            a.grad = torch.randn(50, 40, generator=gen).t()  # transposed
+            c.grad = c.grad.contiguous(memory_format=torch.channels_last)
+        d.grad = torch.randn(60, 70, generator=gen)
+        if step != 1:
+            e.grad = torch.randn(2000, generator=gen)  # none at step 1: zeros
+        expected = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+                    for n, p in named if n != "b"}
+        held = d.grad
+        peer.reduced.clear()
+        opt.synchronize()
+        assert b.grad is None or not b.grad.any()
+        for n, p in named:
+            if n != "b":
+                assert torch.equal(p.grad, expected[n]), (n, step)
+        assert d.grad is held  # written in place
+        # the echoing peer doubles nothing: everything was reduced once, as one vector per
+        # bucket
+        assert sum(t.numel() for t in peer.reduced) == sum(p.numel() for _, p in named)
+        with opt.skip_synchronize():
+            opt.step()
+
+
 def test_the_default_shares_for_topk_and_threshold_only_and_not_when_sharded(monkeypatch):
     monkeypatch.delenv("HVD_SPARSE_PACK_BELOW", raising=False)
     sizes = [3000, 5000, 7000]

@@ -353,6 +353,16 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             if g is not None and g.layout == torch.strided and g.dtype.is_floating_point \
                     and g.is_contiguous() and g.numel() == b.numel:
                 return g.view(-1), frozenset()
+        elif b.whole:
+            grads = [p.grad for p in b.params]
+            dtype = grads[0].dtype if grads[0] is not None else None
+            if dtype is not None and dtype.is_floating_point and all(
+                    g is not None and g.layout == torch.strided and g.dtype == dtype
+                    and g.is_contiguous() for g in grads):
+                st = self.state[b.index]
+                flat = st.flat_buffer(b.numel, dtype, grads[0].device)
+                torch._foreach_copy_(st.shaped(flat, b), grads)
+                return flat, frozenset()
         sparse_ids = set()
         parts = []
         for p, name, (lo, hi) in zip(b.params, b.names, b.slices):
@@ -1047,6 +1057,12 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
     def _write_dense(self, b, out, sparse_ids, write):
         if write == "delta":
             return self._write_delta(b, out)
+        if len(b.params) > 1 and b.whole and not sparse_ids:
+            grads = [p.grad for p in b.params]
+            if all(g is not None and g.layout == torch.strided and g.dtype == out.dtype
+                   for g in grads):
+                torch._foreach_copy_(grads, self.state[b.index].shaped(out, b))
+                return
         for p, off, (lo, hi) in zip(b.params, b.offsets, b.slices):
             if p.grad is not None and not p.grad.is_sparse and id(p) not in sparse_ids \
                     and out.data_ptr() == p.grad.data_ptr() \
