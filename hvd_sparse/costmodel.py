@@ -78,12 +78,16 @@ def sparse_time(compute_s: float, received_bytes: float, link: Link) -> float:
 
 def dense_time(nbytes: float, world_size: int, link: Link, by: str = "reduce",
                fused: bool = False) -> float:
-    """One bucket's dense step: an allreduce of ``nbytes`` (or an allgather of P copies).
+    """One bucket's dense step: an allreduce of ``nbytes`` (``by="gather"``: an allgather of P
+    copies; ``"regions"``: :mod:`hvd_sparse.engine.dense_regions`).
     ``fused``: the step makes an allreduce anyway (tensors that are always dense), and
     Horovod fuses the ones that are ready together, so the bucket adds its bytes and no
     latency of its own."""
     if by == "gather":
         return link.gather_latency_s + world_size * nbytes / link.gather_bandwidth_Bps
+    if by == "regions":  # an all-to-all, then an allgather, each of (P - 1) / P of the bytes
+        share = (world_size - 1) / world_size
+        return 2 * link.gather_latency_s + 2 * share * nbytes / link.gather_bandwidth_Bps
     return (0.0 if fused else link.reduce_latency_s) + nbytes / link.reduce_bandwidth_Bps
 
 

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from .. import costmodel, golomb, safety
+from ..aggregation import accumulation_dtype
 from ..kernels import cpu
-from . import sharded
+from . import dense_regions, sharded
 
 SMALL_BYTES = 64
 LARGE_BYTES = 4 << 20
@@ -235,7 +236,8 @@ class LinkPricing:
                 self._set_collective(b, "sharded" if t_sharded < t_gather
                                      and not self._exact_by_allgather(b) else "allgather")
             t_sparse = t_sharded if self.collective(b) == "sharded" else t_gather
-            t_dense = costmodel.dense_time(b.nbytes, size, self.link, by, fused)
+            t_dense = costmodel.dense_time(b.nbytes, size, self.link,
+                                           self._dense_by(b, by, size), fused)
             st.mode = "dense" if t_dense < t_sparse or self.dense_only else "sparse"
             if recode and st.mode == "sparse":  # measured anew under its new code (a bucket
                 # gone dense keeps what it was seen doing, for a later recalibration)
@@ -255,6 +257,17 @@ class LinkPricing:
                 st.costs["golomb_allgather_s"] = float(t_golomb)
         self.calibrated_at = self.steps
         self.calibrated_world = size
+
+    def _dense_by(self, b, by: str, size: int) -> str:
+        """How a dense bucket goes, for its price: ``by``, or ``"regions"`` where a gather is
+        summed region by region (:mod:`~hvd_sparse.engine.dense_regions`)."""
+        if by != "gather":
+            return by
+        wire_t, _ = self.config.compression.compress(torch.zeros(1, dtype=b.dtype))
+        item = wire_t.element_size()
+        acc = accumulation_dtype(b.dtype).itemsize
+        return "regions" if dense_regions.applies(self.transport, size, b.numel * item, item,
+                                                  acc) else by
 
     def cost_report(self) -> dict:
         """The cost model's inputs and choices (part of ``communication_stats()``)."""

@@ -36,7 +36,7 @@ from ..dgc import clip_local, cooldown_density, warmup_density
 from ..kernels import cpu, select as fused, stream
 from ..sparsifiers import SelectionContext
 from ..stats import CommunicationStats
-from . import agreement, sharded
+from . import agreement, dense_regions, sharded
 from .calibration import LinkPricing
 from .config import EngineConfig
 from .flat import all_finite, copy_pieces, write_flat
@@ -748,7 +748,14 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
                 st.velocity.velocity = None  # restarts from the gradient when sparse again
         wire_t, ctx = c.compression.compress(flat)
         nbytes = wire_t.numel() * wire_t.element_size()
-        if dense_mode == "gather":  # rank-order sum of gathered vectors: same bits every run
+        acc_item = aggregation.accumulation_dtype(b.dtype).itemsize
+        if dense_mode == "gather" and dense_regions.applies(
+                self.transport, self.transport.size(), nbytes, wire_t.element_size(), acc_item):
+            # the same rank-order sum, region by region (an all-to-all, then an allgather)
+            handle = dense_regions.start(self.transport, wire_t, name)
+            nbytes = dense_regions.sent_bytes(handle, acc_item, self.transport.rank())
+            kind = "dense_regions"
+        elif dense_mode == "gather":  # rank-order sum of gathered vectors: same bits every run
             handle = self.transport.allgather_async(wire_t, name)
             kind = "dense_gather"
         else:
@@ -771,6 +778,9 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         try:
             received, bad = {}, {}
             check = self._dense_check_needed(write)
+            for b in self.launch_order:  # every region sum on its way before any wait below
+                if self.inflight[b.index].kind == "dense_regions":
+                    self._sum_region(b)
             # in the order they went out: the last bucket's collective, still in flight, then
             # overlaps the decoding of those before it
             for b in self.launch_order:
@@ -824,6 +834,14 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         c = self.config
         job = self.inflight[b.index]
         size = self.transport.size()
+        if job.kind == "dense_regions":
+            if job.handle.gather is None:
+                self._sum_region(b)
+            with self.clock.stage("collective_wait"):
+                out = dense_regions.result(self.transport, job.handle)
+            with self.clock.stage("dense"):
+                bad = [-1] if check and not all_finite(out) else []
+            return (out, job.handle.received_bytes), bad
         with self.clock.stage("collective_wait"):
             received = self.transport.wait(job.handle)
         if job.kind in ("sparse", "sharded"):
@@ -849,6 +867,18 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
                 received_bytes = job.nbytes
             bad = [-1] if check and not all_finite(out) else []
         return (out, received_bytes), bad
+
+    def _sum_region(self, b):
+        """A ``"dense_regions"`` bucket's first half: its region from every rank, summed in
+        rank order, and the allgather of the sums started."""
+        job = self.inflight[b.index]
+        c = self.config
+        with self.clock.stage("collective_wait"):
+            got = self.transport.wait(job.handle.exchange)
+        with self.clock.stage("dense"):
+            dense_regions.sum_region(self.transport, job.handle, got,
+                                     lambda t: c.compression.decompress(t, job.ctx),
+                                     aggregation.accumulation_dtype(b.dtype), c.average)
 
     def _commit_uplink(self, b, write):
         job = self.inflight[b.index]

@@ -516,12 +516,50 @@ def scenario_index_coding(res):
     res["coding_params_equal"] = all_equal_digest(flat_params(m))
 
 
+def scenario_dense_regions(res):
+    """Dense buckets at 3 or more ranks under deterministic_dense (here the dense warm-up):
+    large ones summed region by region (an all-to-all, then an allgather) give the bits of the
+    gather path, with fewer bytes; a bucket whose length is no multiple of the world size, in
+    float32 and float16 on the wire."""
+    from hvd_sparse.engine import dense_regions
+
+    def run(regions, compression):
+        torch.manual_seed(3)
+        m = torch.nn.ModuleDict({"big": torch.nn.Linear(401, 409),  # 164,009 + 409 entries
+                                 "small": torch.nn.Linear(20, 5)})
+        kw = {"compression": hvd.Compression.fp16} if compression == "fp16" else {}
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                       named_parameters=m.named_parameters(),
+                                       dense_warmup_steps=100, **kw)
+        saved = dense_regions.REGIONS_FROM_BYTES
+        dense_regions.REGIONS_FROM_BYTES = saved if regions else 1 << 62
+        try:
+            for step in range(4):
+                g = torch.Generator().manual_seed(100 * step + hvd.rank())
+                x = torch.randn(8, 401, generator=g)
+                opt.zero_grad()
+                (m["big"](x) ** 2).mean().backward()
+                (m["small"](x[:, :20]) ** 2).mean().backward()
+                opt.step()
+        finally:
+            dense_regions.REGIONS_FROM_BYTES = saved
+        t = opt.communication_stats()["totals"]
+        return flat_params(m), t["bytes_received"]
+
+    for compression in ("none", "fp16"):
+        a, got_regions = run(True, compression)
+        b, got_gather = run(False, compression)
+        res[f"regions_{compression}"] = {
+            "same_bits": bool(torch.equal(a, b)), "replicas_equal": all_equal_digest(a),
+            "received": [got_regions, got_gather]}
+
+
 SCENARIOS = [scenario_bad_input, scenario_reference, scenario_bitwise, scenario_dense_equivalence,
              scenario_adam_nothing_sparse,
              scenario_bpps_guards, scenario_missing_grad, scenario_checkpoint,
              scenario_dense_fallback, scenario_time_cost_model, scenario_watch_mixed,
              scenario_watch_mixed_sbc,
-             scenario_hybrid_transport, scenario_index_coding]
+             scenario_hybrid_transport, scenario_index_coding, scenario_dense_regions]
 
 
 if __name__ == "__main__":
