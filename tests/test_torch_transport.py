@@ -30,7 +30,7 @@ def test_torchrun_trains_bitwise_as_the_mpi_transport(tmp_path, ranks):
     over_mpi = _results("mpirun", ranks, tmp_path, "mpi")
     runs = over_torch[0]["runs"]
     assert set(runs) == {"topk_allgather", "topk_sharded", "dense_by_size", "adamw_updates",
-                         "sbc", "gaussiank_model"}
+                         "sbc", "gaussiank_model", "dense_regions"}
     for t, m in zip(over_torch, over_mpi):
         assert t["size"] == m["size"] == ranks
         for name, run in t["runs"].items():
@@ -44,6 +44,12 @@ def test_torchrun_trains_bitwise_as_the_mpi_transport(tmp_path, ranks):
     # the runs really differ from one another (the exchange paths are not one path)
     assert len({run["digest"] for run in runs.values()}) == len(runs)
     assert runs["topk_allgather"]["bytes_sent"] < runs["dense_by_size"]["bytes_sent"] / 5
+    # regions from 3 ranks: about two (P - 1) / P shares of the vector, not P - 1 copies
+    regions = runs["dense_regions"]
+    if ranks > 2:
+        assert regions["bytes_received"] < 0.8 * (ranks - 1) * regions["dense_bytes"]
+    else:
+        assert regions["bytes_received"] == regions["dense_bytes"]
 
 
 def test_transport_torch_without_a_process_group_says_what_to_do():

@@ -27,17 +27,24 @@ RUNS = [
     ("adamw_updates", "adamw", dict(exchange="update")),
     ("sbc", "sgd", dict(sparsifier="sbc")),
     ("gaussiank_model", "sgd", dict(sparsifier="gaussiank", scope="model")),
+    # a dense bucket of 347 kB: from 3 ranks summed by regions (all-to-all, then allgather)
+    ("dense_regions", "sgd", dict(dense_warmup_steps=100, wide=True)),
 ]
 
 
-def model():
+def model(wide=False):
     torch.manual_seed(0)
+    if wide:
+        return torch.nn.Sequential(torch.nn.Linear(40, 1700), torch.nn.ReLU(),
+                                   torch.nn.Linear(1700, 10))
     return torch.nn.Sequential(torch.nn.Linear(40, 96), torch.nn.ReLU(),
                                torch.nn.Linear(96, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 
 
 def train(hvd_sparse, transport, rank, base, options, steps=25):
-    m = model()
+    options = dict(options)
+    wide = options.pop("wide", False)
+    m = model(wide)
     inner = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) if base == "sgd"
              else torch.optim.AdamW(m.parameters(), lr=3e-3))
     opt = hvd_sparse.DistributedOptimizer(inner, named_parameters=m.named_parameters(),
@@ -53,9 +60,10 @@ def train(hvd_sparse, transport, rank, base, options, steps=25):
     stats = opt.communication_stats()
     return {"digest": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
             "moved": float((flat - torch.cat([p.detach().reshape(-1)
-                                              for p in model().parameters()])).abs().max()),
+                                              for p in model(wide).parameters()])).abs().max()),
             "bytes_sent": stats["totals"]["bytes_sent"],
             "bytes_received": stats["totals"]["bytes_received"],
+            "dense_bytes": stats["totals"]["dense_bytes"],
             "transport": stats["transport"]}
 
 
