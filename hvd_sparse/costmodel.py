@@ -36,14 +36,28 @@ def dense_gather_bytes(numel: int, world_size: int, value_bytes: int) -> float:
     return world_size * numel * value_bytes
 
 
+def dense_regions_bytes(numel: int, world_size: int, value_bytes: int,
+                        sum_value_bytes: int) -> float:
+    """Bytes one rank receives when a dense bucket is summed by regions
+    (:mod:`hvd_sparse.engine.dense_regions`): (P - 1) / P of the vector, then of the sums."""
+    return (world_size - 1) / world_size * numel * (value_bytes + sum_value_bytes)
+
+
 def prefer_dense(numel: int, k: int, world_size: int, index_bytes: int, value_bytes: int,
-                 dense_value_bytes: int, dense_by: str = "ring") -> bool:
-    """True when the dense exchange (``"ring"`` allreduce or ``"gather"``) would move no more
-    bytes than the sparse allgather."""
+                 dense_value_bytes: int, dense_by: str = "ring",
+                 sum_value_bytes: int = 0) -> bool:
+    """True when the dense exchange (``"ring"`` allreduce, ``"gather"`` or ``"regions"``,
+    whose sums travel with ``sum_value_bytes`` each) would move no more bytes than the sparse
+    allgather."""
     if world_size <= 1:
         return False
-    dense = dense_bytes(numel, world_size, dense_value_bytes) if dense_by == "ring" \
-        else dense_gather_bytes(numel, world_size, dense_value_bytes)
+    if dense_by == "regions":
+        dense = dense_regions_bytes(numel, world_size, dense_value_bytes,
+                                    sum_value_bytes or dense_value_bytes)
+    elif dense_by == "ring":
+        dense = dense_bytes(numel, world_size, dense_value_bytes)
+    else:
+        dense = dense_gather_bytes(numel, world_size, dense_value_bytes)
     return sparse_bytes(numel, k, world_size, index_bytes, value_bytes) >= dense
 
 
@@ -77,17 +91,19 @@ def sparse_time(compute_s: float, received_bytes: float, link: Link) -> float:
 
 
 def dense_time(nbytes: float, world_size: int, link: Link, by: str = "reduce",
-               fused: bool = False) -> float:
+               fused: bool = False, sums_nbytes: float = None) -> float:
     """One bucket's dense step: an allreduce of ``nbytes`` (``by="gather"``: an allgather of P
     copies; ``"regions"``: :mod:`hvd_sparse.engine.dense_regions`).
     ``fused``: the step makes an allreduce anyway (tensors that are always dense), and
     Horovod fuses the ones that are ready together, so the bucket adds its bytes and no
-    latency of its own."""
+    latency of its own. ``sums_nbytes``: by regions, the sums' bytes (in the accumulation
+    dtype; default ``nbytes``)."""
     if by == "gather":
         return link.gather_latency_s + world_size * nbytes / link.gather_bandwidth_Bps
     if by == "regions":  # an all-to-all, then an allgather, each of (P - 1) / P of the bytes
         share = (world_size - 1) / world_size
-        return 2 * link.gather_latency_s + 2 * share * nbytes / link.gather_bandwidth_Bps
+        sums = nbytes if sums_nbytes is None else sums_nbytes
+        return 2 * link.gather_latency_s + share * (nbytes + sums) / link.gather_bandwidth_Bps
     return (0.0 if fused else link.reduce_latency_s) + nbytes / link.reduce_bandwidth_Bps
 
 

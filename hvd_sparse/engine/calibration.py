@@ -236,8 +236,9 @@ class LinkPricing:
                 self._set_collective(b, "sharded" if t_sharded < t_gather
                                      and not self._exact_by_allgather(b) else "allgather")
             t_sparse = t_sharded if self.collective(b) == "sharded" else t_gather
-            t_dense = costmodel.dense_time(b.nbytes, size, self.link,
-                                           self._dense_by(b, by, size), fused)
+            form, wire_bytes, sums_bytes = self._dense_form(b, by, size)
+            t_dense = costmodel.dense_time(wire_bytes if form == "regions" else b.nbytes, size,
+                                           self.link, form, fused, sums_bytes)
             st.mode = "dense" if t_dense < t_sparse or self.dense_only else "sparse"
             if recode and st.mode == "sparse":  # measured anew under its new code (a bucket
                 # gone dense keeps what it was seen doing, for a later recalibration)
@@ -258,16 +259,17 @@ class LinkPricing:
         self.calibrated_at = self.steps
         self.calibrated_world = size
 
-    def _dense_by(self, b, by: str, size: int) -> str:
-        """How a dense bucket goes, for its price: ``by``, or ``"regions"`` where a gather is
-        summed region by region (:mod:`~hvd_sparse.engine.dense_regions`)."""
-        if by != "gather":
-            return by
+    def _dense_form(self, b, by: str, size: int) -> tuple:
+        """How a dense bucket of gradients goes, for its price: ``(by, wire bytes, sums'
+        bytes)``, ``by`` turned ``"regions"`` where a gather is summed region by region
+        (:mod:`~hvd_sparse.engine.dense_regions`; the sums in the accumulation dtype)."""
         wire_t, _ = self.config.compression.compress(torch.zeros(1, dtype=b.dtype))
         item = wire_t.element_size()
         acc = accumulation_dtype(b.dtype).itemsize
-        return "regions" if dense_regions.applies(self.transport, size, b.numel * item, item,
-                                                  acc) else by
+        if by == "gather" and dense_regions.applies(self.transport, size, b.numel * item,
+                                                    item, acc):
+            return "regions", b.numel * item, b.numel * acc
+        return by, b.numel * item, None
 
     def cost_report(self) -> dict:
         """The cost model's inputs and choices (part of ``communication_stats()``)."""

@@ -5,7 +5,9 @@ tensors travel together) can change between runs, so ``deterministic_dense`` sum
 buckets in rank order. Gathering every rank's whole vector does that, but each rank then
 receives P - 1 vectors and adds P of them. Here the bucket is cut into P equal regions: an
 all-to-all brings each rank its region from every rank, the owner adds them in rank order
-(the same additions as after a gather, so the same bits), and an allgather of the P region sums
+(the same additions as after a gather, so the same bits for every finite value; a NaN
+from float16 may carry another payload, as torch widens halves in its vector loop and its
+scalar tail differently), and an allgather of the P region sums
 hands every rank the result: about (P - 1) / P of the vector received in each of the two
 collectives, as a ring allreduce receives, and one region summed per rank instead of the whole
 vector. Small buckets keep the gather, whose one collective costs one latency instead of two.

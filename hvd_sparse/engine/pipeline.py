@@ -445,10 +445,13 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         if c.cost_model == "bytes":
             up, _ = self.densities()
             k = c.sparsifier.target_count(b.numel, up, self._ctx(b, "up"))
+            size = self.transport.size()
+            form, wire_bytes, sums_bytes = self._dense_form(b, dense, size)
             if k is not None and costmodel.prefer_dense(
-                    b.numel, k, self.transport.size(), b.index_dtype.itemsize,
-                    (c.value_dtype or b.dtype).itemsize, b.dtype.itemsize,
-                    dense_by="gather" if dense == "gather" else "ring"):
+                    b.numel, k, size, b.index_dtype.itemsize,
+                    (c.value_dtype or b.dtype).itemsize, wire_bytes // b.numel,
+                    dense_by="ring" if form == "reduce" else form,
+                    sum_value_bytes=(sums_bytes or 0) // b.numel):
                 return dense
         return None
 

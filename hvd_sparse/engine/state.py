@@ -89,6 +89,7 @@ class BucketState:
         """A flat buffer kept across steps (no full-size allocation per step)."""
         s = self.scratch
         if s is None or s.dtype != dtype or s.device != device or s.numel() != numel:
+            self.shaped_views = None  # (they would keep the old buffer alive)
             self.scratch = s = torch.empty(numel, dtype=dtype, device=device)
         return s
 
