@@ -100,4 +100,3 @@ def sent_bytes(regions: Regions, acc_itemsize: int, rank: int) -> int:
     lo, hi = regions.edges[rank], regions.edges[rank + 1]
     item = torch.empty(0, dtype=regions.wire_dtype).element_size()
     return (regions.edges[-1] - (hi - lo)) * item + (hi - lo) * acc_itemsize
-
