@@ -67,10 +67,10 @@ def start(transport, wire_t: torch.Tensor, name: str) -> Regions:
 
 
 def sum_region(transport, regions: Regions, got: torch.Tensor, decompress: Callable,
-               acc_dtype: torch.dtype, average: bool) -> None:
+               acc_dtype: torch.dtype, average: bool, buffer: Callable) -> None:
     """Add this rank's region from every rank (``got``: what the all-to-all brought) in rank
     order in ``acc_dtype`` (then divide by P for an average, as after a gather) and start the
-    allgather of the sums."""
+    allgather of the sums, written into ``buffer(numel, dtype, device)``."""
     size, rank = transport.size(), transport.rank()
     lo, hi = regions.edges[rank], regions.edges[rank + 1]
     got = got.reshape(-1)
@@ -80,7 +80,8 @@ def sum_region(transport, regions: Regions, got: torch.Tensor, decompress: Calla
                            f"for a region of {hi - lo} entries from {size} ranks; the ranks "
                            "disagree on the bucket (its parameters or their dtype)")
     parts = got.view(torch.uint8).view(regions.wire_dtype).view(size, hi - lo)
-    out = decompress(parts[0]).to(acc_dtype) + decompress(parts[1]).to(acc_dtype)
+    out = torch.add(decompress(parts[0]).to(acc_dtype), decompress(parts[1]).to(acc_dtype),
+                    out=buffer(hi - lo, acc_dtype, parts.device))
     for r in range(2, size):
         out.add_(decompress(parts[r]).to(acc_dtype))
     if average:

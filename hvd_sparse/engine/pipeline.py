@@ -859,8 +859,11 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             acc_dtype = aggregation.accumulation_dtype(b.dtype)
             if job.kind == "dense_gather":
                 parts = received.view(size, -1)
-                out = c.compression.decompress(parts[0], job.ctx).to(acc_dtype).clone()
-                for r in range(1, size):  # rank order, never a reduction tree
+                first = c.compression.decompress(parts[0], job.ctx).to(acc_dtype)
+                buf = self.state[b.index].sum_buffer(first.numel(), acc_dtype, first.device)
+                out = buf.copy_(first) if size == 1 else torch.add(
+                    first, c.compression.decompress(parts[1], job.ctx).to(acc_dtype), out=buf)
+                for r in range(2, size):  # rank order, never a reduction tree
                     out.add_(c.compression.decompress(parts[r], job.ctx).to(acc_dtype))
                 if c.average and size != 1:
                     out.mul_(1.0 / size)
@@ -881,7 +884,8 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         with self.clock.stage("dense"):
             dense_regions.sum_region(self.transport, job.handle, got,
                                      lambda t: c.compression.decompress(t, job.ctx),
-                                     aggregation.accumulation_dtype(b.dtype), c.average)
+                                     aggregation.accumulation_dtype(b.dtype), c.average,
+                                     self.state[b.index].sum_buffer)
 
     def _commit_uplink(self, b, write):
         job = self.inflight[b.index]

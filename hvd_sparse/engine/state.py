@@ -46,6 +46,7 @@ class BucketState:
     spare: Optional[torch.Tensor] = None
     # (flat buffer, its views in the parameters' shapes) for whole-gradient copies
     shaped_views: Optional[tuple] = None
+    sums: Optional[torch.Tensor] = None  # a dense bucket's rank-order sum (gather, regions)
     param_edges: Optional[np.ndarray] = None  # where each parameter starts, then the length
     edges_tensor: Optional[torch.Tensor] = None  # the same on the selection's device
 
@@ -84,6 +85,18 @@ class BucketState:
                 return views
             self.shaped_views = v = (flat, views)
         return v[1]
+
+    def sum_buffer(self, numel, dtype, device) -> torch.Tensor:
+        """Where a dense bucket's rank-order sum is written, kept across steps on the CPU: a
+        fresh tensor per step cost as much as the additions there (its pages are touched
+        anew; 2.6 against 1.5 ms for 4 x 2.85M float32 entries). On a GPU the caching
+        allocator reuses memory across buckets, so nothing is kept."""
+        if torch.device(device).type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
+        s = self.sums
+        if s is None or s.dtype != dtype or s.device != device or s.numel() != numel:
+            self.sums = s = torch.empty(numel, dtype=dtype, device=device)
+        return s
 
     def flat_buffer(self, numel, dtype, device) -> torch.Tensor:
         """A flat buffer kept across steps (no full-size allocation per step)."""
