@@ -74,7 +74,7 @@ def sum_region(transport, regions: Regions, got: torch.Tensor, decompress: Calla
     size, rank = transport.size(), transport.rank()
     lo, hi = regions.edges[rank], regions.edges[rank + 1]
     got = got.reshape(-1)
-    item = torch.empty(0, dtype=regions.wire_dtype).element_size()
+    item = regions.wire_dtype.itemsize
     if got.numel() * got.element_size() != size * (hi - lo) * item:
         raise RuntimeError(f"{regions.name}: received {got.numel() * got.element_size()} bytes "
                            f"for a region of {hi - lo} entries from {size} ranks; the ranks "
@@ -99,5 +99,5 @@ def result(transport, regions: Regions) -> torch.Tensor:
 def sent_bytes(regions: Regions, acc_itemsize: int, rank: int) -> int:
     """What this rank sends: the other ranks' regions of its vector, then its region's sum."""
     lo, hi = regions.edges[rank], regions.edges[rank + 1]
-    item = torch.empty(0, dtype=regions.wire_dtype).element_size()
+    item = regions.wire_dtype.itemsize
     return (regions.edges[-1] - (hi - lo)) * item + (hi - lo) * acc_itemsize
