@@ -263,8 +263,11 @@ class LinkPricing:
         """How a dense bucket of gradients goes, for its price: ``(by, wire bytes, sums'
         bytes)``, ``by`` turned ``"regions"`` where a gather is summed region by region
         (:mod:`~hvd_sparse.engine.dense_regions`; the sums in the accumulation dtype)."""
-        wire_t, _ = self.config.compression.compress(torch.zeros(1, dtype=b.dtype))
-        item = wire_t.element_size()
+        items = self.__dict__.setdefault("_wire_itemsizes", {})  # (the bytes rule asks per step)
+        if b.dtype not in items:
+            items[b.dtype] = self.config.compression.compress(
+                torch.zeros(1, dtype=b.dtype))[0].element_size()
+        item = items[b.dtype]
         acc = accumulation_dtype(b.dtype).itemsize
         if by == "gather" and dense_regions.applies(self.transport, size, b.numel * item,
                                                     item, acc):

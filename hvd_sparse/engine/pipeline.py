@@ -859,10 +859,11 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             acc_dtype = aggregation.accumulation_dtype(b.dtype)
             if job.kind == "dense_gather":
                 parts = received.view(size, -1)
+                # (gathered from 3 ranks on only: dense_flavour)
                 first = c.compression.decompress(parts[0], job.ctx).to(acc_dtype)
-                buf = self.state[b.index].sum_buffer(first.numel(), acc_dtype, first.device)
-                out = buf.copy_(first) if size == 1 else torch.add(
-                    first, c.compression.decompress(parts[1], job.ctx).to(acc_dtype), out=buf)
+                out = torch.add(first, c.compression.decompress(parts[1], job.ctx).to(acc_dtype),
+                                out=self.state[b.index].sum_buffer(first.numel(), acc_dtype,
+                                                                   first.device))
                 for r in range(2, size):  # rank order, never a reduction tree
                     out.add_(c.compression.decompress(parts[r], job.ctx).to(acc_dtype))
                 if c.average and size != 1:
