@@ -821,8 +821,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     state is then per rank, ``p.grad`` stays the local gradient, and ``synchronize()`` only
     agrees across ranks on whether a gradient is non-finite (for loss scalers).
     ``exchange="auto"`` (default) picks ``"update"`` for adaptive optimizers (Adam, AdamW,
-    RMSprop, Adagrad, ... and their subclasses; measured in ``benchmarks/convergence.py``) and
-    ``"gradient"`` otherwise or with ``backward_passes_per_step > 1``. ``track_error`` keeps the per-step
+    RMSprop, Adagrad, ... and their subclasses) and for SGD with momentum (each rank's velocity
+    then sees its own dense gradient, as under DGC's momentum correction; updates beat
+    gradients on every SGD workload measured: ``benchmarks/convergence.py``,
+    ``benchmarks/unseen_models.py``), except with SBC, and ``"gradient"`` otherwise (plain
+    SGD, optimizers of other kinds), with ``backward_passes_per_step > 1`` or
+    ``momentum_correction``. ``track_error`` keeps the per-step
     compression error ``||acc - sent||^2`` in the statistics (one extra pass per bucket).
     ``deterministic_dense`` (default) exchanges dense buckets by allgather and a rank-order sum,
     so results do not depend on how Horovod fuses and reduces (with 3 or more ranks an allreduce's
@@ -886,7 +890,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     backward_passes_per_step = passes_per_step(backward_passes_per_step)
     local_steps = validate.whole("local_steps", local_steps, 1)
     exchange = resolve_exchange(exchange, optimizer, backward_passes_per_step, local_steps,
-                                density, op)
+                                density, op, momentum_correction, sparsifier)
     if exchange_auto and exchange == "gradient" and _looks_adaptive(optimizer) \
             and backward_passes_per_step == 1 and local_steps == 1 \
             and not (isinstance(density, (int, float)) and density >= 1):

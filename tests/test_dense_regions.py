@@ -65,6 +65,7 @@ def _run(transport, monkeypatch, regions=True, steps=3, dtype=torch.float32, **o
     named = [("w", torch.nn.Parameter(torch.randn(400, 401, dtype=dtype))),
              ("v", torch.nn.Parameter(torch.randn(140_000, dtype=dtype)))]
     params = [p for _, p in named]
+    options.setdefault("exchange", "gradient")  # SGD's gradients: regions sum them
     opt = hvd_sparse.DistributedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9),
                                           named_parameters=named, check_config=False,
                                           transport=transport, **options)

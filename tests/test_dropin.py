@@ -183,6 +183,14 @@ def test_adam_takes_horovods_step_once_every_bucket_goes_dense(dropin):
         assert r["adam_dense_after_recalibration"] == ["gradient", ["dense"]]
 
 
+def test_sgd_momentum_takes_horovods_step_once_every_bucket_goes_dense(dropin):
+    for r in dropin:
+        assert r["sgd_dense_kinds"][0] == "update" and r["sgd_dense_kinds"][-1] == "gradient"
+        assert r["sgd_dense_velocity_equal"]
+        assert r["sgd_dense_horovods_step"] < 1e-6
+        assert r["sgd_dense_then_equal"]
+
+
 def test_sparseadam_steps_a_rank_that_left_its_embedding_out(dropin):
     for r in dropin:
         assert r["emb_unused_sparseadam_errors"] == []

@@ -357,7 +357,6 @@ def test_exchange_auto_picks_updates_for_adaptive_optimizers():
     assert exchange(lambda p: torch.optim.AdamW(p, lr=1e-3)) == "update"
     assert exchange(lambda p: torch.optim.RMSprop(p, lr=1e-3)) == "update"
     assert exchange(lambda p: MyAdam(p, lr=1e-3)) == "update"
-    assert exchange(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)) == "gradient"
     assert exchange(lambda p: torch.optim.Adam(p, lr=1e-3), backward_passes_per_step=2) \
         == "gradient"
     assert exchange(lambda p: torch.optim.Adam(p, lr=1e-3), exchange="gradient") == "gradient"
@@ -366,6 +365,46 @@ def test_exchange_auto_picks_updates_for_adaptive_optimizers():
     assert exchange(lambda p: torch.optim.Adam(p, lr=1e-3), density=1.0) == "gradient"
     assert exchange(lambda p: torch.optim.Adam(p, lr=1e-3), op=hvd_sparse.Sum) == "gradient"
     assert exchange(lambda p: torch.optim.Adam(p, lr=1e-3), op=hvd_sparse.Average) == "update"
+
+
+def test_exchange_auto_picks_updates_for_sgd_with_momentum():
+    """SGD's updates where it has momentum (each rank's velocity integrates its own dense
+    gradient: better on every SGD workload measured); gradients for plain SGD, for SBC, with
+    momentum correction or accumulation, and for optimizers of unknown kind."""
+    class MySGD(torch.optim.SGD):
+        pass
+
+    class Custom(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1, "momentum": 0.9})
+
+        def step(self, closure=None):
+            pass
+
+    def exchange(make_base, **kw):
+        m = _net()
+        return _wrap(m, make_base(m.parameters()), **kw).communication_stats()["exchange"]
+
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    assert exchange(sgd) == "update"
+    assert exchange(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True)) \
+        == "update"
+    assert exchange(lambda p: MySGD(p, lr=0.1, momentum=0.5)) == "update"
+    # momentum in one parameter group is enough
+    assert exchange(lambda p: torch.optim.SGD([{"params": list(p)[:2], "momentum": 0.9},
+                                               {"params": list(p)[2:]}], lr=0.1)) == "update"
+    assert exchange(lambda p: torch.optim.SGD(p, lr=0.1)) == "gradient"
+    assert exchange(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.0)) == "gradient"
+    assert exchange(Custom) == "gradient"
+    assert exchange(sgd, sparsifier="sbc") == "gradient"
+    assert exchange(sgd, sparsifier="Sparse-Binary") == "gradient"
+    assert exchange(sgd, sparsifier=hvd_sparse.sparsifiers.SparseBinary()) == "gradient"
+    assert exchange(sgd, sparsifier="gaussiank") == "update"
+    assert exchange(sgd, backward_passes_per_step=2) == "gradient"
+    assert exchange(sgd, density=1.0) == "gradient"
+    assert exchange(sgd, op=hvd_sparse.Sum) == "gradient"
+    assert exchange(sgd, exchange="gradient") == "gradient"
+    assert exchange(sgd, momentum_correction=0.9) == "gradient"
 
 
 def test_downlink_selection_by_default_where_gradients_are_exchanged_only():

@@ -76,6 +76,8 @@ def _train(sizes, steps=6, pack=None, optimizer="sgd", monkeypatch=None, **optio
     params = [p for _, p in named]
     base = torch.optim.SGD(params, lr=0.1, momentum=0.9) if optimizer == "sgd" \
         else torch.optim.AdamW(params, lr=1e-2)
+    if optimizer == "sgd":  # its gradients, unless a case asks for its updates
+        options.setdefault("exchange", "gradient")
     opt = hvd_sparse.DistributedOptimizer(base, named_parameters=named, density=0.02,
                                           cost_model="off", check_config=False,
                                           transport=_EchoPeer(), **options)
@@ -92,9 +94,10 @@ def _train(sizes, steps=6, pack=None, optimizer="sgd", monkeypatch=None, **optio
     ("sgd", {}), ("sgd", {"bidirectional": False}), ("adamw", {}),
     ("sgd", {"momentum_correction": 0.9}), ("sgd", {"value_dtype": torch.float16}),
     ("sgd", {"sparsifier": "threshold", "threshold": 0.02}),
-    ("adamw", {"sparsifier": "threshold", "threshold": 1e-3})],
+    ("adamw", {"sparsifier": "threshold", "threshold": 1e-3}),
+    ("sgd", {"exchange": "update"})],
     ids=["gradients", "uplink-only", "updates", "momentum-correction", "fp16-wire",
-         "threshold", "threshold-updates"])
+         "threshold", "threshold-updates", "sgd-updates"])
 def test_packed_buckets_train_to_the_same_bits_as_one_bucket_per_tensor(
         optimizer, options, monkeypatch):
     sizes = [3000, 20000, 5000, 150000, 17000, 40000, 2500]
@@ -282,9 +285,10 @@ def _resume(sizes, first_pack, then_pack, optimizer, monkeypatch, steps=(3, 3), 
         named = [(f"t{i}", p) for i, p in enumerate(params)]
         base = torch.optim.SGD(params, lr=0.1, momentum=0.9) if optimizer == "sgd" \
             else torch.optim.AdamW(params, lr=1e-2)
+        extra = {"exchange": "gradient"} if optimizer == "sgd" else {}
         return hvd_sparse.DistributedOptimizer(base, named_parameters=named, density=0.02,
                                                cost_model="off", check_config=False,
-                                               transport=_EchoPeer(), **options)
+                                               transport=_EchoPeer(), **extra, **options)
 
     def run(opt, params, gen, n):
         for _ in range(n):

@@ -54,6 +54,8 @@ def _run(steps, nan_at=(), adam=False, data=None, hidden=300, **kw):
     transport = _MirrorPeer()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3) if adam else \
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if not adam:  # SGD's gradients, the path these tests follow
+        kw.setdefault("exchange", "gradient")
     opt = hvd_sparse.DistributedOptimizer(
         inner,
         named_parameters=model.named_parameters(), density=kw.pop("density", 0.05),
@@ -239,7 +241,7 @@ def test_unidirectional_sum_lands_in_p_grad_exactly(monkeypatch, in_scan):
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         named_parameters=model.named_parameters(), density=0.05, min_sparse_numel=0,
         cost_model="off", collective="allgather", check_config=False, bidirectional=False,
-        transport=_MirrorPeer())
+        exchange="gradient", transport=_MirrorPeer())
     gen = torch.Generator().manual_seed(1)
     for _ in range(5):
         opt.zero_grad()

@@ -306,8 +306,8 @@ def exchange_defaults(args, base) -> None:
       first 10% of the run (5% below 1% density: :func:`warmup_share`). Character
       Transformer, 300 steps, 3 seeds: +1.6% validation loss against dense at 6.7% of dense's
       bytes, against +4.0% without them.
-    * SGD: each rank's update exchanged too (the library keeps gradients for SGD, Horovod's
-      contract on ``p.grad``, which a training loop of ours does not need), with the same
+    * SGD: each rank's update exchanged too (the library's own choice for SGD with momentum
+      since the thirty-sixth session; here also without momentum and with SBC), with the same
       warm-up, without the downlink re-selection, and with the density cool-down over the last
       10% of the run. Updates against gradients: ResNet on Fashion-MNIST under cosine decay, 5
       seeds, -0.49 pt test accuracy against dense against -1.89. The cool-down (twenty-first

@@ -140,7 +140,8 @@ def scenario_bitwise(res):
         m = make_model(2)
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-            named_parameters=m.named_parameters(), cost_model="off", density=0.02,
+            named_parameters=m.named_parameters(), exchange="gradient",
+            cost_model="off", density=0.02,
             min_sparse_numel=0, **bucketing)
         hvd.broadcast_parameters(m.state_dict(), root_rank=0)
         start = flat_params(m).clone()
@@ -166,7 +167,8 @@ def scenario_watch_mixed(res):
         m = make_model(5)
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-            named_parameters=m.named_parameters(), cost_model="off", density=0.02,
+            named_parameters=m.named_parameters(), exchange="gradient",
+            cost_model="off", density=0.02,
             min_sparse_numel=0)
     finally:
         os.environ.pop("HVD_SPARSE_DOWNLINK_WATCH", None)
@@ -217,7 +219,8 @@ def scenario_hybrid_transport(res):
     try:
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-            named_parameters=m.named_parameters(), cost_model="off", density=0.02,
+            named_parameters=m.named_parameters(), exchange="gradient",
+            cost_model="off", density=0.02,
             min_sparse_numel=0, transport="mpi")
     except ValueError as e:
         res["hybrid_error"] = str(e)
@@ -368,7 +371,8 @@ def scenario_checkpoint(res):
     def build():
         m = make_model(6)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-                                       named_parameters=m.named_parameters(), cost_model="off",
+                                       named_parameters=m.named_parameters(), exchange="gradient",
+                                       cost_model="off",
                                        density=0.05,
                                        min_sparse_numel=0)
         return m, opt
@@ -529,7 +533,7 @@ def scenario_dense_regions(res):
                                  "small": torch.nn.Linear(20, 5)})
         kw = {"compression": hvd.Compression.fp16} if compression == "fp16" else {}
         opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-                                       named_parameters=m.named_parameters(),
+                                       named_parameters=m.named_parameters(), exchange="gradient",
                                        dense_warmup_steps=100, **kw)
         saved = dense_regions.REGIONS_FROM_BYTES
         dense_regions.REGIONS_FROM_BYTES = saved if regions else 1 << 62

@@ -50,6 +50,8 @@ def make(m, base=None, **kw):
     kw.setdefault("density", 0.1)
     kw.setdefault("min_sparse_numel", 0)
     kw.setdefault("cost_model", "off")
+    if base is None:  # SGD's gradients (the path these scenarios follow), not its updates
+        kw.setdefault("exchange", "gradient")
     for key, value in SHARDED.items():
         kw.setdefault(key, value)
     base = base or torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
@@ -499,6 +501,46 @@ def scenario_sparse_embedding_unused_on_one_rank(res):
             errors.append(str(e)[:80])
     res["emb_unused_sparseadam_errors"] = errors
     res["emb_unused_sparseadam_equal"] = same_everywhere(net.emb.weight.detach())
+
+
+def scenario_sgd_momentum_all_dense_takes_horovods_step(res):
+    """SGD with momentum: exchange="auto" exchanges its updates, each rank's velocity its own;
+    when every bucket goes dense the velocities are averaged (for SGD, the velocity of the
+    averaged gradients) and the next step is Horovod's SGD step. Pricing forced as below."""
+    from hvd_sparse import costmodel
+
+    real = costmodel.dense_time
+    costmodel.dense_time = lambda *a, **k: 0.0
+    try:
+        m = model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+            named_parameters=m.named_parameters(), density=0.1, min_sparse_numel=0,
+            cost_model="time", calibration_steps=2)
+        kinds = []
+        for i in range(5):
+            step(m, opt, i)
+            kinds.append(opt.communication_stats()["exchange"])
+        res["sgd_dense_kinds"] = kinds
+        res["sgd_dense_velocity_equal"] = same_everywhere(
+            [opt.state[p]["momentum_buffer"] for p in m.parameters()])
+        twin = copy.deepcopy(m)
+        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+        sd = copy.deepcopy(opt.state_dict())
+        sd.pop("hvd_sparse")
+        twin_opt.load_state_dict(sd)
+        step(m, opt, 5)
+        x, y = batch(5)
+        twin_opt.zero_grad()
+        F.cross_entropy(twin(x), y).backward()
+        for j, p in enumerate(twin.parameters()):
+            p.grad = hvd.allreduce(p.grad, name=f"sgd.twin.{j}")
+        twin_opt.step()
+        res["sgd_dense_horovods_step"] = max(float((a - b).detach().abs().max())
+                                             for a, b in zip(m.parameters(), twin.parameters()))
+        res["sgd_dense_then_equal"] = same_everywhere(params(m))
+    finally:
+        costmodel.dense_time = real
 
 
 def scenario_adam_all_dense_takes_horovods_step(res):
@@ -1161,6 +1203,7 @@ def scenario_two_optimizers_in_rank_order(res):
 
 
 SCENARIOS = [scenario_update_exchange, scenario_adam_all_dense_takes_horovods_step,
+             scenario_sgd_momentum_all_dense_takes_horovods_step,
              scenario_step_hooks, scenario_gradient_hooks_after_wrapping,
              scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
              scenario_fresh_state_broadcast,

@@ -38,7 +38,8 @@ def main():
     extra = {"collective": "sharded", "sharded_selection": "region"} if sharded else {}
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=m.named_parameters(), density=0.1,
-                                   min_sparse_numel=0, cost_model="off", **extra)
+                                   min_sparse_numel=0, cost_model="off",
+                                   exchange="gradient", **extra)
     state = hvd.elastic.TorchState(model=m, optimizer=opt, batch=0, phase=0, sizes=[])
 
     @hvd.elastic.run

@@ -40,6 +40,8 @@ def make(m, base=None, **kw):
     kw.setdefault("density", 0.1)
     kw.setdefault("min_sparse_numel", 0)
     kw.setdefault("cost_model", "off")  # these scenarios test the sparse path itself
+    if not base:  # SGD's gradients (the path these scenarios follow), not its updates
+        kw.setdefault("exchange", "gradient")
     base = base(m.parameters()) if base else torch.optim.SGD(m.parameters(), lr=0.1,
                                                               momentum=0.9)
     return hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(), **kw)

@@ -46,6 +46,7 @@ def make(m, **kw):
     # the per-region rule, so that Top-K on this small model is sharded too (the default
     # global rule sends buckets this small by allgather: small_topk_gathered)
     kw.setdefault("sharded_selection", "region")
+    kw.setdefault("exchange", "gradient")  # the residuals these scenarios follow are gradients'
     base = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     return hvd.DistributedOptimizer(base, named_parameters=m.named_parameters(), **kw)
 

@@ -47,6 +47,8 @@ def train(hvd_sparse, transport, rank, base, options, steps=25):
     m = model(wide)
     inner = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) if base == "sgd"
              else torch.optim.AdamW(m.parameters(), lr=3e-3))
+    if base == "sgd":  # its gradients: the runs cover the gradient paths, AdamW the updates
+        options.setdefault("exchange", "gradient")
     opt = hvd_sparse.DistributedOptimizer(inner, named_parameters=m.named_parameters(),
                                           density=0.05, cost_model="off", transport=transport,
                                           **options)
