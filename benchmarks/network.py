@@ -10,9 +10,11 @@ its cores and memory bandwidth. Configurations are interleaved (floor, dense, ea
 variant, then again) so slow drifts of the machine hit all of them alike; each repeat times
 ``--steps`` steps after two warm-up steps and the row keeps the median over repeats.
 
-Sparse variants exchange gradients unless named ``_update``: ``topk`` is the library's default
-for SGD (the time-based cost model may send buckets dense); ``topk_update`` is the training
-CLI's SGD default (each rank's update exchanged); ``topk_mpi4py`` is the same defaults on the mpi4py front end (``--transport
+Sparse variants exchange gradients unless named ``_update``: ``topk`` is bidirectional Top-K on
+gradients, the library's default for plain SGD (the time-based cost model may send buckets
+dense); ``topk_update_library`` is the library's default for SGD with momentum since the
+thirty-sixth session (each rank's update exchanged, no downlink selection, no masking);
+``topk_update`` is the training CLI's SGD default (the same with momentum masking); ``topk_mpi4py`` is the same defaults on the mpi4py front end (``--transport
 mpi``: no Horovod, so no background loop waking every cycle); ``topk_sparse`` (allgather),
 ``topk_sharded`` (``--collective sharded``) and
 the other methods run with ``--cost-model off``, so they show the sparse path itself. Their per-stage means (uplink select, encode, collective wait,
@@ -66,6 +68,10 @@ OPTIMIZERS = {
     # momentum masking since the twentieth session (its cool-down lies beyond the timed steps)
     "topk_update": ["--optimizer", "sparse", "--sparsifier", "topk", "--exchange", "update",
                     "--density-warmup-steps", "0"],
+    # the library's default for SGD with momentum: updates, without the CLI's extras
+    "topk_update_library": ["--optimizer", "sparse", "--sparsifier", "topk", "--exchange",
+                            "update", "--density-warmup-steps", "0",
+                            "--density-cooldown-steps", "0", "--no-momentum-masking"],
     # the default with acc left to a commit pass after the collective instead of written by
     # the uplink's scan (HVD_SPARSE_ACC_IN_SCAN=off)
     "topk_commit_pass": [*SPARSE, "--sparsifier", "topk"],
@@ -76,6 +82,7 @@ OPTIMIZERS = {
 ENV = {"topk_commit_pass": {"HVD_SPARSE_ACC_IN_SCAN": "off"},
        "topk_alone": {"HVD_SPARSE_PACK_BELOW": "0"}}
 PER_RANK_COUNT = ("floor", "dense", "topk", "topk_plain", "topk_layerwise", "topk_update",
+                  "topk_update_library",
                   "topk_sparse", "topk_sharded", "topk_mpi4py", "topk_commit_pass",
                   "topk_alone")
 

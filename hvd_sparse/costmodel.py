@@ -100,23 +100,27 @@ def dense_time(nbytes: float, world_size: int, link: Link, by: str = "reduce",
     dtype; default ``nbytes``)."""
     if by == "gather":
         return link.gather_latency_s + world_size * nbytes / link.gather_bandwidth_Bps
-    if by == "regions":  # an all-to-all, then an allgather, each of (P - 1) / P of the bytes
-        share = (world_size - 1) / world_size
+    if by == "regions":  # an all-to-all of the vector, then an allgather of P sums' regions
         sums = nbytes if sums_nbytes is None else sums_nbytes
-        return 2 * link.gather_latency_s + share * (nbytes + sums) / link.gather_bandwidth_Bps
+        return 2 * link.gather_latency_s + (nbytes + sums) / link.gather_bandwidth_Bps
     return (0.0 if fused else link.reduce_latency_s) + nbytes / link.reduce_bandwidth_Bps
 
 
 def sharded_time(compute_s: float, payload_bytes: float, world_size: int, link: Link,
                  downlink_ratio: float = 1.0, histogram_bytes: float = 0.0) -> float:
-    """One bucket's sharded step: own compute, an all-to-all that brings this rank about one
-    payload's worth ((P - 1) / P of a payload of ``payload_bytes``) and an allgather of the
-    owners' selections (``downlink_ratio`` payloads' worth, the same share); two latencies.
-    ``histogram_bytes``: the global rule's two histogram allreduces of this size in all (their
-    latencies are charged in full, though buckets share them)."""
-    share = (world_size - 1) / world_size
+    """One bucket's sharded step: own compute, an all-to-all of this rank's payload of
+    ``payload_bytes`` and an allgather of the owners' selections (``downlink_ratio`` payloads'
+    worth in all); two latencies. The link's gather bandwidth is in bytes gathered (every
+    rank's part, its own included) per second, and in that measure an all-to-all of a payload
+    of ``s`` per rank costs ``s`` on a shared link and on a switched one alike (each rank
+    receives ``(P - 1) / P`` of ``s`` where an allgather of ``s`` in all receives that too);
+    charging only the ``(P - 1) / P`` share, as before the thirty-sixth session, priced the
+    sharded exchange ``P / (P - 1)`` times too cheap (at 2 ranks half: a bucket went sharded
+    where the allgather was faster). ``histogram_bytes``: the global rule's two histogram
+    allreduces of this size in all (their latencies are charged in full, though buckets share
+    them)."""
     t = (compute_s + 2 * link.gather_latency_s
-         + payload_bytes * share * (1.0 + downlink_ratio) / link.gather_bandwidth_Bps)
+         + payload_bytes * (1.0 + downlink_ratio) / link.gather_bandwidth_Bps)
     if histogram_bytes:
         t += 2 * link.reduce_latency_s + histogram_bytes / link.reduce_bandwidth_Bps
     return t

@@ -399,3 +399,33 @@ def test_adaptive_topk_is_priced_at_its_mean_payload(monkeypatch):
     assert max(seen) > 1.5 * (sum(seen) / len(seen))  # k did vary
     priced = report["buckets"]["weight"]["gathered_bytes"]
     assert priced == pytest.approx(sum(seen) / len(seen), rel=1e-6)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_two_ranks_price_the_sharded_exchange_above_the_allgather(monkeypatch, bidirectional):
+    """At 2 ranks the sharded exchange moves at least the allgather's bytes (an all-to-all of
+    half a payload each way, then the owners' selections: with the downlink selection about a
+    payload in all, without it each owner's whole region sum) and pays two latencies. Its
+    price had charged the all-to-all's wire share against a bandwidth measured in bytes
+    gathered, half the true cost at 2 ranks: a 1 Gbit/s run of the 11.4M MLP with updates
+    exchanged sent its largest bucket sharded and moved 1.34 MB a step instead of 0.72."""
+    from hvd_sparse.engine import calibration
+
+    mib4 = 4 << 20  # bytes dominate: 1 us latencies, 10 MB/s
+    monkeypatch.setattr(calibration, "measure_link", lambda transport, device, large_bytes: [
+        1e-6, 1e-6 + 2 * mib4 / 1e7, 1e-6, 1e-6 + mib4 / 1e7])
+    torch.manual_seed(0)
+    m = torch.nn.Linear(2000, 500, bias=False)
+    opt = _echo_optimizer(m, index_coding="plain", collective="auto",
+                          bidirectional=bidirectional, exchange="update" if not bidirectional
+                          else "gradient")
+    for _ in range(2):
+        _step(m, opt)
+    costs = opt.communication_stats()["cost_model"]["buckets"]["weight"]
+    assert costs["collective"] == "allgather"
+    assert costs["sharded_s"] > costs["allgather_s"]
+    # without the downlink selection the owners' sums add a payload's worth: half the
+    # allgather's wire time more
+    wire = costs["allgather_s"] - costs["compute_s"]
+    if not bidirectional:
+        assert costs["sharded_s"] - costs["allgather_s"] > 0.4 * wire

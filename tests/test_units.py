@@ -305,6 +305,15 @@ def test_sharded_cost_model_and_option():
         assert shard < gather
     # two latencies: a tiny bucket at 2 ranks is cheaper by allgather
     assert costmodel.sharded_time(0.0, 100, 2, link) > costmodel.sparse_time(0.0, 200, link)
+    # in bytes gathered per second an all-to-all of a payload costs the whole payload: with
+    # a downlink selection as dense as the uplink, two payloads at any rank count; without
+    # one (owners send their regions' whole sums, up to P payloads in all) it is dearer
+    # than the allgather of P payloads at every rank count
+    for p in (2, 4, 16):
+        assert costmodel.sharded_time(0.0, payload, p, link) == \
+            pytest.approx(2e-4 + 2 * payload / 1e8)
+        assert costmodel.sharded_time(0.0, payload, p, link, downlink_ratio=p) > \
+            costmodel.sparse_time(0.0, p * payload, link)
     # the global rule's histograms: two more latencies and their bytes
     plain = costmodel.sharded_time(0.0, payload, 4, link)
     assert costmodel.sharded_time(0.0, payload, 4, link, histogram_bytes=32768) == \

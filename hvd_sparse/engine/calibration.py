@@ -199,7 +199,10 @@ class LinkPricing:
         # Horovod's (docs/results.md)
         fused = by == "reduce" and self.transport.fuses_allreduces \
             and any(not b.sparse for b in self.buckets)
-        ratio = c.downlink_density / c.density
+        # the owners' selections against one payload: a downlink selection keeps about
+        # downlink_density of the bucket; without one an owner sends every entry its region's
+        # sum holds, up to P payloads' worth in all (the ranks' choices need not overlap)
+        ratio = c.downlink_density / c.density if c.bidirectional else float(size)
         for b, cs, nbytes, count in zip(sparse, compute, gathered, entries):
             st = self.state[b.index]
             if cs <= 0 and st.costs.get("gathered_bytes"):
