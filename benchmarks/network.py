@@ -11,8 +11,8 @@ variant, then again) so slow drifts of the machine hit all of them alike; each r
 ``--steps`` steps after two warm-up steps and the row keeps the median over repeats.
 
 Sparse variants exchange gradients unless named ``_update``: ``topk`` is bidirectional Top-K on
-gradients, the library's default for plain SGD (the time-based cost model may send buckets
-dense); ``topk_update_library`` is the library's default for SGD with momentum since the
+gradients (the time-based cost model may send buckets dense), the library's default for
+plain SGD (the benchmark's SGD has momentum); ``topk_update_library`` is the library's default for SGD with momentum since the
 thirty-sixth session (each rank's update exchanged, no downlink selection, no masking);
 ``topk_update`` is the training CLI's SGD default (the same with momentum masking); ``topk_mpi4py`` is the same defaults on the mpi4py front end (``--transport
 mpi``: no Horovod, so no background loop waking every cycle); ``topk_sparse`` (allgather),
@@ -40,8 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = str(ROOT / ".venv" / "bin" / "python")
 
 OFF = ["--cost-model", "off"]
-#: the sparse rows exchange gradients (the library's contract for SGD) unless named otherwise:
-#: the training CLI's own SGD default exchanges updates (``topk_update``)
+#: the sparse rows exchange gradients (bidirectional Top-K, what issue 9's targets name) unless
+#: named otherwise: the library's default for SGD with momentum and the training CLI's exchange
+#: updates (``topk_update_library``, ``topk_update``)
 SPARSE = ["--optimizer", "sparse", "--exchange", "gradient"]
 OPTIMIZERS = {
     "floor": ["--optimizer", "local"],

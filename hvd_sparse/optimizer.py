@@ -525,21 +525,28 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         return self._hs_exchange_auto and c.exchange == "update" and c.local_steps == 1 \
             and not c.momentum_masking
 
-    def _hs_take_horovods_step(self) -> None:
-        """Gradients exchanged from now on, densely: later calibrations keep Horovod's step
-        (never sparse gradients for an adaptive optimizer)."""
+    def _hs_take_horovods_step(self, dense_only: bool = True) -> None:
+        """Gradients exchanged from now on, densely (``dense_only``): later calibrations keep
+        Horovod's step (never sparse gradients for an adaptive optimizer)."""
         c = self._hs_engine.config
         self._hs_engine.config = dataclasses.replace(
             c, exchange="gradient",
             bidirectional=True if self._hs_bidirectional_auto else c.bidirectional)
-        self._hs_engine.dense_only = True
+        self._hs_engine.dense_only = dense_only
 
-    def _hs_follow_saved_exchange(self, saved) -> None:
-        """A state saved after the switch of :meth:`_hs_to_gradients_when_all_dense` (or with
-        gradients exchanged) resumes exchanging gradients where the exchange was the
-        library's choice: the loaded optimizer state is then one for Horovod's step."""
-        if saved == "gradient" and self._hs_may_take_horovods_step():
-            self._hs_take_horovods_step()
+    def _hs_follow_saved_exchange(self, extra: dict) -> None:
+        """A state saved with gradients exchanged resumes exchanging gradients where the
+        exchange is the library's choice (its residuals hold gradients): densely for good if
+        it was saved after the switch of :meth:`_hs_to_gradients_when_all_dense` (the loaded
+        optimizer state is then one for Horovod's step), else as it was, sparse, e.g. SGD
+        with momentum saved before its updates became the default (thirty-sixth session).
+        A state without the flag is older: for an adaptive optimizer "gradient" then meant
+        the switch."""
+        if extra.get("exchange") == "gradient" and self._hs_may_take_horovods_step():
+            took = extra.get("horovods_step")
+            if took is None:
+                took = isinstance(self, adaptive_optimizer_classes())
+            self._hs_take_horovods_step(dense_only=bool(took))
 
     def _hs_average_state(self):
         """Collective: every floating-point tensor of the wrapped optimizer's state averaged
@@ -639,7 +646,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         engine = self._hs_engine
         c = engine.config
         if passes > 1 and c.exchanges_updates and self._hs_exchange_auto \
-                and c.local_steps == 1 and engine.steps == 0 and engine.local_count == 0:
+                and c.local_steps == 1 and engine.steps == 0 and engine.local_count == 0 \
+                and not c.momentum_masking:  # (masking was asked for: it needs updates)
             # the library's own choice with gradient accumulation is Horovod's contract
             # (gradients), while nothing was exchanged yet; later, updates stay exchanged (the
             # accumulated gradient makes one local step, then the update goes out)
@@ -710,7 +718,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 old.update(new)
                 self.param_groups[i] = old
         if extra is not None:
-            self._hs_follow_saved_exchange(extra.get("exchange"))
+            self._hs_follow_saved_exchange(extra)
             self._hs_engine.load_state_dict(extra)
 
 
@@ -892,7 +900,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     exchange = resolve_exchange(exchange, optimizer, backward_passes_per_step, local_steps,
                                 density, op, momentum_correction, sparsifier)
     if exchange_auto and exchange == "gradient" and _looks_adaptive(optimizer) \
-            and backward_passes_per_step == 1 and local_steps == 1 \
+            and backward_passes_per_step == 1 and local_steps == 1 and not momentum_correction \
             and not (isinstance(density, (int, float)) and density >= 1):
         warnings.warn(
             f"{type(optimizer).__name__} is not one of torch's adaptive optimizers, so "

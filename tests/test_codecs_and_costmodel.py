@@ -429,3 +429,42 @@ def test_two_ranks_price_the_sharded_exchange_above_the_allgather(monkeypatch, b
     wire = costs["allgather_s"] - costs["compute_s"]
     if not bidirectional:
         assert costs["sharded_s"] - costs["allgather_s"] > 0.4 * wire
+
+
+@pytest.mark.parametrize("switched", [None, False, True])
+def test_sgd_state_saved_with_gradients_resumes_them_sparse(monkeypatch, switched):
+    """SGD with momentum saved while it exchanged gradients (the library's default before the
+    thirty-sixth session: no "horovods_step" flag in the state) resumes exchanging gradients,
+    sparse where the link says so; it had been taken for a state saved after the all-dense
+    switch to Horovod's step, and every later calibration sent the buckets dense for good.
+    A state saved after that switch (flag set) stays dense."""
+    _link(monkeypatch, slow_reduce=True)  # sparse wins
+    torch.manual_seed(0)
+    m = torch.nn.Linear(1000, 100, bias=False)
+
+    def make(**kw):
+        return hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+            named_parameters=m.named_parameters(), check_config=False, density=0.01,
+            min_sparse_numel=0, transport=_EchoTransport(), calibration_steps=1,
+            recalibrate_every=2, index_coding="plain", **kw)
+
+    old = make(exchange="gradient")
+    for _ in range(3):
+        _step(m, old)
+    sd = old.state_dict()
+    del old  # (its hooks stay on the parameters while it lives)
+    assert sd["hvd_sparse"]["horovods_step"] is False
+    if switched is None:
+        del sd["hvd_sparse"]["horovods_step"]  # as saved before the flag existed
+    else:
+        sd["hvd_sparse"]["horovods_step"] = switched
+    opt = make()
+    assert opt.communication_stats()["exchange"] == "update"
+    opt.load_state_dict(sd)
+    assert opt.communication_stats()["exchange"] == "gradient"
+    for _ in range(4):
+        _step(m, opt)
+    report = opt.communication_stats()["cost_model"]
+    assert report["calibrated_at_step"] > 3  # priced again after the resume
+    assert report["buckets"]["weight"]["mode"] == ("dense" if switched else "sparse")

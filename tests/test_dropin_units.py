@@ -400,11 +400,24 @@ def test_exchange_auto_picks_updates_for_sgd_with_momentum():
     assert exchange(sgd, sparsifier="Sparse-Binary") == "gradient"
     assert exchange(sgd, sparsifier=hvd_sparse.sparsifiers.SparseBinary()) == "gradient"
     assert exchange(sgd, sparsifier="gaussiank") == "update"
+    # the hard threshold's absolute threshold is chosen from gradients
+    assert exchange(sgd, sparsifier="threshold", threshold=1e-3) == "gradient"
+    assert exchange(sgd, sparsifier=hvd_sparse.sparsifiers.HardThreshold(1e-3)) == "gradient"
     assert exchange(sgd, backward_passes_per_step=2) == "gradient"
     assert exchange(sgd, density=1.0) == "gradient"
     assert exchange(sgd, op=hvd_sparse.Sum) == "gradient"
     assert exchange(sgd, exchange="gradient") == "gradient"
     assert exchange(sgd, momentum_correction=0.9) == "gradient"
+    # accumulation set later turns the library's updates into gradients, not where momentum
+    # masking (which needs updates) was asked for
+    m = _net()
+    opt = _wrap(m, sgd(m.parameters()))
+    opt.set_backward_passes_per_step(2)
+    assert opt.communication_stats()["exchange"] == "gradient"
+    m = _net()
+    opt = _wrap(m, sgd(m.parameters()), momentum_masking=0.5)
+    opt.set_backward_passes_per_step(2)
+    assert opt.communication_stats()["exchange"] == "update"
 
 
 def test_downlink_selection_by_default_where_gradients_are_exchanged_only():

@@ -16,7 +16,7 @@ import torch
 
 from .. import validate, wire
 from ..compat import Compression
-from ..sparsifiers import SparseBinary, Sparsifier, canonical, make_sparsifier
+from ..sparsifiers import HardThreshold, SparseBinary, Sparsifier, canonical, make_sparsifier
 
 COST_MODELS = ("time", "bytes", "off")
 COLLECTIVES = ("allgather", "sharded", "auto")
@@ -43,7 +43,9 @@ def resolve_exchange(exchange: str, optimizer, backward_passes_per_step: int,
     on -1.5 against -4.0 pt, a GRU classifier level; benchmarks/convergence.py and
     benchmarks/unseen_models.py, docs/results.md). Gradients otherwise: for SGD with SBC
     (one mean per sign; its own update form is the communication delay, ``local_steps``,
-    and every step's update binarized trained worse at 3 ranks in the digits test), plain
+    and every step's update binarized trained worse at 3 ranks in the digits test) or the
+    hard threshold (its absolute ``threshold`` is chosen from gradients, as
+    ``threshold_for_k`` does: against weight changes it would send another count), plain
     SGD (nothing to gain) and optimizers of unknown kind (Horovod's contract on ``p.grad``);
     also with gradient accumulation, with ``momentum_correction`` (which acts on gradients),
     where nothing is sparsified (``density`` 1: Horovod's own step, bit for bit) and under
@@ -60,7 +62,7 @@ def resolve_exchange(exchange: str, optimizer, backward_passes_per_step: int,
         return "gradient"
     if isinstance(optimizer, adaptive_optimizer_classes()):
         return "update"
-    return "update" if sgd_with_momentum(optimizer) and not _binarizes(sparsifier) \
+    return "update" if sgd_with_momentum(optimizer) and not _reads_gradients(sparsifier) \
         else "gradient"
 
 
@@ -70,9 +72,11 @@ def sgd_with_momentum(optimizer) -> bool:
         g.get("momentum", 0) for g in optimizer.param_groups)
 
 
-def _binarizes(sparsifier) -> bool:
-    """Is the ``sparsifier=`` keyword (a name or an instance) Sparse Binary Compression?"""
-    return isinstance(sparsifier, SparseBinary) or canonical(sparsifier) == "sbc"
+def _reads_gradients(sparsifier) -> bool:
+    """Is the ``sparsifier=`` keyword (a name or an instance) one whose SGD form keeps the
+    gradient exchange: Sparse Binary Compression or the hard threshold?"""
+    return isinstance(sparsifier, (SparseBinary, HardThreshold)) \
+        or canonical(sparsifier) in ("sbc", "threshold")
 
 
 NONFINITE = ("propagate", "raise", "skip", "ignore")

@@ -132,7 +132,10 @@ class Checkpointing:
         rep.update({"format": STATE_FORMAT, "world_size": t.size(), "rank": t.rank(),
                     "stats": self.stats.state_dict(), "average": self.config.average,
                     "bidirectional": self.config.bidirectional,
-                    "exchange": self.exchange_kind()})
+                    "exchange": self.exchange_kind(),
+                    # the library's all-dense switch to Horovod's step was taken (absent
+                    # before the thirty-sixth session)
+                    "horovods_step": bool(self.dense_only)})
         return checkpoint.loadable(rep)
 
     def checked_state(self, extra: dict) -> dict:

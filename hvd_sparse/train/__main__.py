@@ -334,7 +334,10 @@ def exchange_defaults(args, base) -> None:
     adaptive = isinstance(base, adaptive_optimizer_classes())
     if sparse and args.exchange == "auto" and not adaptive:
         args.exchange = "gradient" if args.momentum_correction else "update"
-    updates = sparse and resolve_exchange(args.exchange, base, 1, 1) == "update"
+    updates = sparse and resolve_exchange(
+        args.exchange, base, 1, 1, args.density,
+        momentum_correction=args.momentum if args.momentum_correction else 0.0,
+        sparsifier=args.sparsifier) == "update"
     if args.bidirectional is None:
         args.bidirectional = not updates
     if args.density_warmup_steps is None:
