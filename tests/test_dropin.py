@@ -72,7 +72,8 @@ def test_broadcast_optimizer_state_mid_run_reunites_replicas(dropin):
 
 
 @pytest.mark.parametrize("prefix", ["amp", "amp_update", "amp_update_fused", "amp_torch",
-                                    "amp_torch_clip", "amp_horovod_clip", "amp_torch_fused"])
+                                    "amp_torch_clip", "amp_horovod_clip", "amp_torch_fused",
+                                    "amp_sgd_updates", "amp_sgd_updates_torch"])
 def test_gradscaler_sees_overflow_on_every_rank(dropin, prefix):
     """The default policy hands an overflow on one rank to every rank's p.grad: each scaler
     skips the step and halves its scale; residuals are untouched; training goes on. Also with
@@ -86,6 +87,7 @@ def test_gradscaler_sees_overflow_on_every_rank(dropin, prefix):
         assert r[f"{prefix}_residuals_finite"] and r[f"{prefix}_params_finite"]
         assert r[f"{prefix}_params_equal"]
         assert r[f"{prefix}_stats_nonfinite"] >= 1
+        assert r.get(f"{prefix}_exchange", "update") == "update"  # (SGD's: the library's choice)
     assert len({tuple(r[f"{prefix}_scales"]) for r in dropin}) == 1
 
 

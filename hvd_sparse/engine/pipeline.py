@@ -86,9 +86,12 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         self.fingerprint = safety.exchange_fingerprint([b.name for b in self.buckets])
         self.state: Dict[int, BucketState] = {
             b.index: BucketState.for_bucket(b, config.momentum_correction) for b in self.buckets}
-        if config.collective == "auto" and transport.size() >= 4:
+        if config.collective == "auto" and transport.size() >= 4 and config.bidirectional:
             # before the time model is calibrated: bytes alone (received per rank, P payloads
-            # against about two) favour the sharded exchange from 4 ranks on
+            # against about two) favour the sharded exchange from 4 ranks on; not without the
+            # downlink selection, where each owner sends its region's whole sum (the union of
+            # the ranks' selections there: up to P payloads in all, one more than the
+            # allgather's)
             for b in self.buckets:
                 self.state[b.index].collective = \
                     "allgather" if self._exact_by_allgather(b) else "sharded"

@@ -208,6 +208,12 @@ def scenario_gradscaler(res):
     amp_run(res, "amp_torch_fused",
             make(m, torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
                  exchange="gradient"), m, recipe="torch")
+    # SGD with momentum under the library's choice (its updates), both recipes
+    for prefix, recipe in (("amp_sgd_updates", "horovod"), ("amp_sgd_updates_torch", "torch")):
+        m = model()
+        opt = make(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+        res[f"{prefix}_exchange"] = opt.communication_stats()["exchange"]
+        amp_run(res, prefix, opt, m, recipe=recipe)
 
 
 def scenario_bfloat16_broadcasts(res):

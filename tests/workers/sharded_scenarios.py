@@ -99,10 +99,14 @@ def dense_average(res):
     m = model()
     opt = make(m, density=1.0)
     x, y = batch(0)
-    F.cross_entropy(m(x), y).backward()
-    local = [p.grad.detach().clone() for p in m.parameters()]
+    # this rank's own gradient, by autograd.grad (no hooks fire): read from p.grad after
+    # backward it raced the in-place allreduce the hooks had started (a loaded machine saw
+    # it half averaged)
+    local = [g.detach().clone() for g in torch.autograd.grad(
+        F.cross_entropy(m(x), y), list(m.parameters()))]
     everyone = hvd.allgather_object(local)
     want = [sum(g[i] for g in everyone) / hvd.size() for i in range(len(local))]
+    F.cross_entropy(m(x), y).backward()
     opt.synchronize()
     res["dense_average_maxdiff"] = max(float((p.grad - w).abs().max())
                                        for p, w in zip(m.parameters(), want))
