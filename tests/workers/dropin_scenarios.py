@@ -509,6 +509,25 @@ def scenario_sparse_embedding_unused_on_one_rank(res):
     res["emb_unused_sparseadam_equal"] = same_everywhere(net.emb.weight.detach())
 
 
+def horovods_step_apart(m, opt, make_base, i):
+    """Step ``opt`` at batch ``i`` beside a twin of ``m`` stepped as Horovod would (the wrapped
+    optimizer's class, ``opt``'s state, on the allreduced gradient): the largest difference."""
+    twin = copy.deepcopy(m)
+    twin_opt = make_base(twin.parameters())
+    sd = copy.deepcopy(opt.state_dict())
+    sd.pop("hvd_sparse")
+    twin_opt.load_state_dict(sd)
+    step(m, opt, i)
+    x, y = batch(i)
+    twin_opt.zero_grad()
+    F.cross_entropy(twin(x), y).backward()
+    for j, p in enumerate(twin.parameters()):
+        p.grad = hvd.allreduce(p.grad, name=f"twin.{j}")
+    twin_opt.step()
+    return max(float((a - b).detach().abs().max())
+               for a, b in zip(m.parameters(), twin.parameters()))
+
+
 def scenario_sgd_momentum_all_dense_takes_horovods_step(res):
     """SGD with momentum: exchange="auto" exchanges its updates, each rank's velocity its own;
     when every bucket goes dense the velocities are averaged (for SGD, the velocity of the
@@ -530,20 +549,8 @@ def scenario_sgd_momentum_all_dense_takes_horovods_step(res):
         res["sgd_dense_kinds"] = kinds
         res["sgd_dense_velocity_equal"] = same_everywhere(
             [opt.state[p]["momentum_buffer"] for p in m.parameters()])
-        twin = copy.deepcopy(m)
-        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9, nesterov=True)
-        sd = copy.deepcopy(opt.state_dict())
-        sd.pop("hvd_sparse")
-        twin_opt.load_state_dict(sd)
-        step(m, opt, 5)
-        x, y = batch(5)
-        twin_opt.zero_grad()
-        F.cross_entropy(twin(x), y).backward()
-        for j, p in enumerate(twin.parameters()):
-            p.grad = hvd.allreduce(p.grad, name=f"sgd.twin.{j}")
-        twin_opt.step()
-        res["sgd_dense_horovods_step"] = max(float((a - b).detach().abs().max())
-                                             for a, b in zip(m.parameters(), twin.parameters()))
+        res["sgd_dense_horovods_step"] = horovods_step_apart(
+            m, opt, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True), 5)
         res["sgd_dense_then_equal"] = same_everywhere(params(m))
     finally:
         costmodel.dense_time = real
@@ -576,20 +583,8 @@ def scenario_adam_all_dense_takes_horovods_step(res):
         res["adam_dense_state_equal"] = same_everywhere(states)
         res["adam_dense_params_equal"] = same_everywhere(params(m))
         # the next step is Adam on the averaged gradient, as under Horovod
-        twin = copy.deepcopy(m)
-        twin_opt = torch.optim.Adam(twin.parameters(), lr=0.01)
-        sd = copy.deepcopy(opt.state_dict())
-        sd.pop("hvd_sparse")
-        twin_opt.load_state_dict(sd)
-        step(m, opt, 5)
-        x, y = batch(5)
-        twin_opt.zero_grad()
-        F.cross_entropy(twin(x), y).backward()
-        for j, p in enumerate(twin.parameters()):
-            p.grad = hvd.allreduce(p.grad, name=f"twin.{j}")
-        twin_opt.step()
-        res["adam_dense_horovods_step"] = max(
-            float((a - b).abs().max()) for a, b in zip(m.parameters(), twin.parameters()))
+        res["adam_dense_horovods_step"] = horovods_step_apart(
+            m, opt, lambda ps: torch.optim.Adam(ps, lr=0.01), 5)
         res["adam_dense_then_equal"] = same_everywhere(params(m))
         # a layer frozen before the switch stays where it was (the release of what error
         # feedback held moved it), and a later calibration that finds the link slow keeps
