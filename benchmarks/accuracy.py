@@ -73,6 +73,10 @@ def runs(args):
                 ("warmup", ["--density-warmup-steps", warm]),
                 ("global", ["--scope", "model"]),
                 ("update", ["--exchange", "update"]),
+                # the library's default for SGD with momentum since the thirty-sixth session:
+                # updates without the downlink selection, no warm-up, masking or cool-down
+                ("update-unidirectional", ["--exchange", "update",
+                                           "--density-warmup-steps", "0"]),
                 ("warmup-update", ["--density-warmup-steps", warm, "--exchange", "update"]),
                 # the same with one global Top-K (the LSTM's gap narrowed with it)
                 ("warmup-update-global", ["--density-warmup-steps", warm, "--exchange",

@@ -38,7 +38,7 @@ def resolve_exchange(exchange: str, optimizer, backward_passes_per_step: int,
     ...), whose per-coordinate normalisation shrinks the rare, accumulated steps a sparse
     gradient gives them, and for SGD with momentum, whose velocity then integrates each rank's
     dense gradient instead of the sparse average (DGC's momentum correction, arrived at by
-    another road): updates beat gradients on every SGD workload measured (ResNet -0.89
+    another road): updates beat gradients on every SGD workload measured (ResNet -0.43
     against -1.71 pt, char-LSTM +7.0 against +9.2%, a BatchNorm CNN no default was tuned
     on -1.5 against -4.0 pt, a GRU classifier level; benchmarks/convergence.py and
     benchmarks/unseen_models.py, docs/results.md). Gradients otherwise: for SGD with SBC
