@@ -36,10 +36,12 @@ def main():
     # HVD_SPARSE_TEST_COLLECTIVE=sharded: every bucket sharded (each region on its owner)
     sharded = os.environ.get("HVD_SPARSE_TEST_COLLECTIVE") == "sharded"
     extra = {"collective": "sharded", "sharded_selection": "region"} if sharded else {}
+    # HVD_SPARSE_TEST_EXCHANGE=auto: the library's choice for this SGD (its updates)
+    exchange = os.environ.get("HVD_SPARSE_TEST_EXCHANGE", "gradient")
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=m.named_parameters(), density=0.1,
                                    min_sparse_numel=0, cost_model="off",
-                                   exchange="gradient", **extra)
+                                   exchange=exchange, **extra)
     state = hvd.elastic.TorchState(model=m, optimizer=opt, batch=0, phase=0, sizes=[])
 
     @hvd.elastic.run
@@ -84,6 +86,7 @@ def main():
     everyone = hvd.allgather_object(own)
     res = {"rank": hvd.rank(), "size": hvd.size(), "sizes": list(state.sizes),
            "batch": state.batch, "steps": own["steps"], "collectives": collectives,
+           "exchange": opt.communication_stats()["exchange"],
            "region_warnings": notes,
            "params_equal": all(e["params"] == own["params"] for e in everyone),
            "downlink_equal": all(e["downlink"] == own["downlink"] for e in everyone),
