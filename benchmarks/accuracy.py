@@ -131,6 +131,13 @@ def runs(args):
             "--exchange", "update", "--no-bidirectional", "--momentum-masking", "0.5",
             "--density-cooldown-steps", warm, *flags]
            for tag, flags in (("", []), ("-global", ["--scope", "model"]))},
+        # the library's own defaults at 0.1% (one global Top-K below 1%): SGD's gradients, and
+        # its updates without the downlink selection (its default since the thirty-sixth
+        # session)
+        **{f"fashion/topk-0.1%-cosine-library-{kind}": fm + [
+            "--density", "0.001", "--cost-model", "off", "--collective", "allgather",
+            "--lr-schedule", "cosine", "--scope", "model", "--density-warmup-steps", "0",
+            "--exchange", kind] for kind in ("gradient", "update")},
         # and the char-LSTM's best 0.1% setting (gradients, DGC's momentum correction, one
         # global Top-K, the warm-up over 5%, no downlink selection, the cool-down)
         "fashion/topk-0.1%-cosine-momcorr-global-cooldown": fm + [
