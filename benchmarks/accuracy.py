@@ -205,26 +205,28 @@ def main():
 
 
 def plot(results, path):
+    """Final metric per setting, one dot per seed (runs named ``setting@seedN``), with the
+    MiB each rank sent: curves of dozens of runs were unreadable."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for row, task, metric in ((0, "fashion", "test_accuracy"), (1, "shakespeare", "valid_loss")):
-        for name, recs in results.items():
-            if not name.startswith(task):
-                continue
-            axes[row][0].plot([r["wall_s"] for r in recs], [r[metric] for r in recs], "-o",
-                              label=name)
-            axes[row][1].plot([r["bytes_sent"] / 2**20 for r in recs], [r[metric] for r in recs],
-                              "-o", label=name)
-        axes[row][0].set_xlabel("wall-clock (s)")
-        axes[row][1].set_xlabel("MiB sent per rank")
-        axes[row][1].set_xscale("log")
-        for ax in axes[row]:
-            ax.set_ylabel(metric)
-            if ax.lines:  # a file may hold one of the two tasks only
-                ax.legend(fontsize=7)
+    tasks = [(t, m) for t, m in (("fashion", "test_accuracy"), ("shakespeare", "valid_loss"))
+             if any(n.startswith(t) for n in results)]
+    settings = {t: sorted({n.split("@")[0] for n in results if n.startswith(t)})
+                for t, _ in tasks}
+    fig, axes = plt.subplots(len(tasks), 1, squeeze=False, figsize=(
+        9, 1.5 + 0.22 * sum(len(v) for v in settings.values())),
+        gridspec_kw={"height_ratios": [max(1, len(settings[t])) for t, _ in tasks]})
+    for ax, (task, metric) in zip(axes[:, 0], tasks):
+        labels = []
+        for i, setting in enumerate(settings[task]):
+            runs = [recs for n, recs in results.items() if n.split("@")[0] == setting]
+            ax.plot([r[-1][metric] for r in runs], [i] * len(runs), "o", color="C0")
+            labels.append(f"{setting.split('/', 1)[1]} ({runs[0][-1]['bytes_sent'] / 2**20:.1f} MiB)")
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.set_xlabel(f"final {metric} ({task}; one dot per seed)")
+        ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
