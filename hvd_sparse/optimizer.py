@@ -520,10 +520,15 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_take_horovods_step()
 
     def _hs_may_take_horovods_step(self) -> bool:
-        """Updates exchanged by the library's own choice, every step, without masking."""
+        """An adaptive optimizer's updates exchanged by the library's own choice, every step,
+        without masking. Not SGD's: its averaged updates, dense, are Horovod's step up to
+        rounding (the step is linear in the gradient and the velocity), so a switch gains it
+        nothing, and a switch is a rank's own state: a worker joining an elastic job after it,
+        or ranks that did not load the checkpoint rank 0 loaded, exchanged updates beside
+        ranks exchanging gradients (a configuration mismatch, every rank stopped)."""
         c = self._hs_engine.config
         return self._hs_exchange_auto and c.exchange == "update" and c.local_steps == 1 \
-            and not c.momentum_masking
+            and not c.momentum_masking and isinstance(self, adaptive_optimizer_classes())
 
     def _hs_take_horovods_step(self, dense_only: bool = True) -> None:
         """Gradients exchanged from now on, densely (``dense_only``): later calibrations keep

@@ -432,19 +432,19 @@ def test_two_ranks_price_the_sharded_exchange_above_the_allgather(monkeypatch, b
 
 
 @pytest.mark.parametrize("switched", [None, False, True])
-def test_sgd_state_saved_with_gradients_resumes_them_sparse(monkeypatch, switched):
-    """SGD with momentum saved while it exchanged gradients (the library's default before the
-    thirty-sixth session: no "horovods_step" flag in the state) resumes exchanging gradients,
-    sparse where the link says so; it had been taken for a state saved after the all-dense
-    switch to Horovod's step, and every later calibration sent the buckets dense for good.
-    A state saved after that switch (flag set) stays dense."""
+def test_a_state_saved_with_gradients_resumes_dense_only_after_the_switch(monkeypatch, switched):
+    """Adam, whose updates the library exchanges, resumed from a state saved with gradients:
+    densely for good only where the state says the all-dense switch to Horovod's step was
+    taken ("horovods_step"; a state without the flag, older, is taken for one), else its
+    gradients stay sparse where the link says so. Before the flag every such state resumed
+    dense for good."""
     _link(monkeypatch, slow_reduce=True)  # sparse wins
     torch.manual_seed(0)
     m = torch.nn.Linear(1000, 100, bias=False)
 
     def make(**kw):
         return hvd_sparse.DistributedOptimizer(
-            torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+            torch.optim.Adam(m.parameters(), lr=1e-3),
             named_parameters=m.named_parameters(), check_config=False, density=0.01,
             min_sparse_numel=0, transport=_EchoTransport(), calibration_steps=1,
             recalibrate_every=2, index_coding="plain", **kw)
@@ -467,7 +467,36 @@ def test_sgd_state_saved_with_gradients_resumes_them_sparse(monkeypatch, switche
         _step(m, opt)
     report = opt.communication_stats()["cost_model"]
     assert report["calibrated_at_step"] > 3  # priced again after the resume
-    assert report["buckets"]["weight"]["mode"] == ("dense" if switched else "sparse")
+    assert report["buckets"]["weight"]["mode"] == ("sparse" if switched is False else "dense")
+
+
+def test_sgd_resumed_from_a_state_saved_with_gradients_keeps_its_updates(monkeypatch):
+    """SGD with momentum saved while the library exchanged its gradients (before the
+    thirty-sixth session) resumes with its updates, as every rank that did not load the
+    state has them (rank 0 loads, then broadcast_optimizer_state; or an elastic join): the
+    gradient residuals are dropped with the warning that says so."""
+    _link(monkeypatch, slow_reduce=True)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(1000, 100, bias=False)
+
+    def make(**kw):
+        return hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+            named_parameters=m.named_parameters(), check_config=False, density=0.01,
+            min_sparse_numel=0, transport=_EchoTransport(), calibration_steps=1, **kw)
+
+    old = make(exchange="gradient")
+    for _ in range(3):
+        _step(m, old)
+    sd = old.state_dict()
+    del old
+    del sd["hvd_sparse"]["horovods_step"]
+    opt = make()
+    with pytest.warns(UserWarning, match="residuals hold the other kind"):
+        opt.load_state_dict(sd)
+    assert opt.communication_stats()["exchange"] == "update"
+    _step(m, opt)
+    assert opt.communication_stats()["exchange"] == "update"
 
 
 def test_the_bytes_rule_keeps_buckets_without_a_downlink_selection_on_the_allgather():

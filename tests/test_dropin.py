@@ -185,12 +185,12 @@ def test_adam_takes_horovods_step_once_every_bucket_goes_dense(dropin):
         assert r["adam_dense_after_recalibration"] == ["gradient", ["dense"]]
 
 
-def test_sgd_momentum_takes_horovods_step_once_every_bucket_goes_dense(dropin):
+def test_sgd_momentum_keeps_its_updates_once_every_bucket_goes_dense(dropin):
     for r in dropin:
-        assert r["sgd_dense_kinds"][0] == "update" and r["sgd_dense_kinds"][-1] == "gradient"
-        assert r["sgd_dense_velocity_equal"]
-        assert r["sgd_dense_horovods_step"] < 1e-6
-        assert r["sgd_dense_then_equal"]
+        assert r["sgd_dense_kinds"] == ["update"] * 7
+        assert r["sgd_dense_modes"][-1] == ["dense"]
+        assert r["sgd_dense_params_equal"]
+        assert r["sgd_dense_twin_apart"] < 1e-5  # Horovod's step, to rounding
 
 
 def test_sparseadam_steps_a_rank_that_left_its_embedding_out(dropin):

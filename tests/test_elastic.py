@@ -12,12 +12,15 @@ from conftest import WORKERS, _env
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize("collective", ["default", "sharded", "updates"])
+@pytest.mark.parametrize("collective", ["default", "sharded", "updates", "updates_timed"])
 def test_elastic_join_and_removal_keep_replicas_identical(tmp_path, mpi_available, collective):
     """Also with every bucket sharded: at each world change the survivors' regions are
     gathered and cut again for the new world; only the departed worker's are lost. And with
     the library's choice for SGD with momentum, its updates (each rank's own velocity;
-    TorchState's restore broadcasts rank 0's)."""
+    TorchState's restore broadcasts rank 0's), also under the time cost model, which sends
+    this small model's buckets dense on loopback: a switch to Horovod's step there made the
+    survivors exchange gradients beside a joiner exchanging updates (a configuration
+    mismatch, the job stopped)."""
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
     discover = tmp_path / "discover.sh"
@@ -28,8 +31,10 @@ def test_elastic_join_and_removal_keep_replicas_identical(tmp_path, mpi_availabl
            "--max-np", "3", "--host-discovery-script", str(discover), sys.executable,
            str(WORKERS / "elastic_worker.py"), str(tmp_path), str(hosts)]
     try:
+        updates = collective.startswith("updates")
         env = dict(_env(), HVD_SPARSE_TEST_COLLECTIVE=collective,
-                   HVD_SPARSE_TEST_EXCHANGE="auto" if collective == "updates" else "gradient")
+                   HVD_SPARSE_TEST_EXCHANGE="auto" if updates else "gradient",
+                   HVD_SPARSE_TEST_COST="time" if collective == "updates_timed" else "off")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"elastic job hung:\n{e.stdout}\n{e.stderr}")
@@ -43,7 +48,9 @@ def test_elastic_join_and_removal_keep_replicas_identical(tmp_path, mpi_availabl
         assert r["sizes"][:3] == [2, 2, 2] and r["sizes"][-1] == 2, r["sizes"]  # and left
         assert r["params_equal"] and r["downlink_equal"] and r["steps_equal"], r
         assert r["finite"]
-        assert r["exchange"] == ("update" if collective == "updates" else "gradient")
+        assert r["exchange"] == ("update" if updates else "gradient")
+        if collective == "updates_timed":
+            assert r["modes"] == ["dense"], r  # (the case a switch would have taken)
         assert r["steps"] == r["batch"]  # one exchange per batch, counters carried across
         assert r["collectives"] == (["sharded"] if collective == "sharded" else ["allgather"])
         # the join loses nothing; the shrink loses the departed worker's regions, said once

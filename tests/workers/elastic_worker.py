@@ -40,7 +40,8 @@ def main():
     exchange = os.environ.get("HVD_SPARSE_TEST_EXCHANGE", "gradient")
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=m.named_parameters(), density=0.1,
-                                   min_sparse_numel=0, cost_model="off",
+                                   min_sparse_numel=0,
+                                   cost_model=os.environ.get("HVD_SPARSE_TEST_COST", "off"),
                                    exchange=exchange, **extra)
     state = hvd.elastic.TorchState(model=m, optimizer=opt, batch=0, phase=0, sizes=[])
 
@@ -87,6 +88,7 @@ def main():
     res = {"rank": hvd.rank(), "size": hvd.size(), "sizes": list(state.sizes),
            "batch": state.batch, "steps": own["steps"], "collectives": collectives,
            "exchange": opt.communication_stats()["exchange"],
+           "modes": sorted({v.mode for v in engine.values() if v.sparse}),
            "region_warnings": notes,
            "params_equal": all(e["params"] == own["params"] for e in everyone),
            "downlink_equal": all(e["downlink"] == own["downlink"] for e in everyone),
