@@ -540,18 +540,16 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_engine.dense_only = dense_only
 
     def _hs_follow_saved_exchange(self, extra: dict) -> None:
-        """A state saved with gradients exchanged resumes exchanging gradients where the
-        exchange is the library's choice (its residuals hold gradients): densely for good if
-        it was saved after the switch of :meth:`_hs_to_gradients_when_all_dense` (the loaded
-        optimizer state is then one for Horovod's step), else as it was, sparse, e.g. SGD
-        with momentum saved before its updates became the default (thirty-sixth session).
-        A state without the flag is older: for an adaptive optimizer "gradient" then meant
-        the switch."""
+        """An adaptive optimizer's state saved with gradients exchanged resumes exchanging
+        gradients where the exchange is the library's choice (its residuals hold gradients):
+        densely for good if it was saved after the switch of
+        :meth:`_hs_to_gradients_when_all_dense` (the loaded optimizer state is then one for
+        Horovod's step; a state without the flag is older, and "gradient" then meant the
+        switch), else sparse, as it was. SGD takes no switch: its updates stay, and the
+        engine drops a gradient state's residuals with a warning."""
         if extra.get("exchange") == "gradient" and self._hs_may_take_horovods_step():
             took = extra.get("horovods_step")
-            if took is None:
-                took = isinstance(self, adaptive_optimizer_classes())
-            self._hs_take_horovods_step(dense_only=bool(took))
+            self._hs_take_horovods_step(dense_only=True if took is None else bool(took))
 
     def _hs_average_state(self):
         """Collective: every floating-point tensor of the wrapped optimizer's state averaged

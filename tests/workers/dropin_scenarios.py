@@ -535,8 +535,6 @@ def scenario_sgd_momentum_all_dense_keeps_its_updates(res):
     every rank whatever each one loaded or when it joined. The step then matches a Horovod
     SGD run from the same start to rounding. Pricing forced as below."""
     from hvd_sparse import costmodel
-    import horovod.torch as real
-
     real_price = costmodel.dense_time
     costmodel.dense_time = lambda *a, **k: 0.0
     try:
@@ -558,7 +556,7 @@ def scenario_sgd_momentum_all_dense_keeps_its_updates(res):
                 twin_opt.load_state_dict(sd)
                 for j, p in enumerate(twin.parameters()):
                     buf = twin_opt.state[p]["momentum_buffer"]
-                    buf.copy_(real.allreduce(buf, name=f"sgd.velocity.{j}"))
+                    buf.copy_(hvd.allreduce(buf, name=f"sgd.velocity.{j}"))
             step(m, opt, i)
             kinds.append(opt.communication_stats()["exchange"])
             modes.append(sorted({v.mode for v in opt.engine_state().values() if v.sparse}))
@@ -567,7 +565,7 @@ def scenario_sgd_momentum_all_dense_keeps_its_updates(res):
                 twin_opt.zero_grad()
                 F.cross_entropy(twin(x), y).backward()
                 for j, p in enumerate(twin.parameters()):
-                    p.grad = real.allreduce(p.grad, name=f"sgd.twin.{j}")
+                    p.grad = hvd.allreduce(p.grad, name=f"sgd.twin.{j}")
                 twin_opt.step()
         res["sgd_dense_kinds"] = kinds
         res["sgd_dense_modes"] = modes
