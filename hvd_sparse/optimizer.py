@@ -858,7 +858,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     (an all-to-all), sums them, re-sparsifies them with its own downlink residual and the
     owners' selections are allgathered (traffic per rank about ``k_up + k_down`` pairs at any
     rank count; :mod:`hvd_sparse.engine.sharded`); ``"auto"`` (default): per bucket, the faster
-    of the two by the time cost model once it is calibrated (before that, sharded from 4 ranks).
+    of the two by the time cost model once it is calibrated (before that, sharded from 4 ranks
+    where the downlink selection is on).
     With sharded buckets, call ``consolidate_state_dict()`` on every rank before rank 0 alone
     saves ``state_dict()``. ``sharded_selection``: how owners re-select
     a Top-K downlink: ``"global"`` (default; one threshold for the whole bucket, from every
@@ -901,7 +902,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     backward_passes_per_step = passes_per_step(backward_passes_per_step)
     local_steps = validate.whole("local_steps", local_steps, 1)
     exchange = resolve_exchange(exchange, optimizer, backward_passes_per_step, local_steps,
-                                density, op, momentum_correction, sparsifier)
+                                density, op, momentum_correction, sparsifier,
+                                momentum_masking)
     if exchange_auto and exchange == "gradient" and _looks_adaptive(optimizer) \
             and backward_passes_per_step == 1 and local_steps == 1 and not momentum_correction \
             and not (isinstance(density, (int, float)) and density >= 1):

@@ -351,6 +351,8 @@ def test_cli_exchange_defaults(base, exchange, given, want):
     (["--density-cooldown-steps", "12"], ("update", 0.5, 12)),
     (["--exchange", "gradient"], ("gradient", 0.0, 0)),
     (["--momentum-correction"], ("gradient", 0.0, 0)),
+    # the hard threshold's absolute threshold is chosen from gradients
+    (["--sparsifier", "threshold"], ("gradient", 0.0, 0)),
 ])
 def test_cli_sgd_exchanges_updates_masks_and_cools_down(argv, want):
     from hvd_sparse.train.__main__ import exchange_defaults, parse_args

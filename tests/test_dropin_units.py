@@ -408,6 +408,8 @@ def test_exchange_auto_picks_updates_for_sgd_with_momentum():
     assert exchange(sgd, op=hvd_sparse.Sum) == "gradient"
     assert exchange(sgd, exchange="gradient") == "gradient"
     assert exchange(sgd, momentum_correction=0.9) == "gradient"
+    # masking asks for updates, with accumulation too (set at wrapping or later)
+    assert exchange(sgd, backward_passes_per_step=2, momentum_masking=0.5) == "update"
     # accumulation set later turns the library's updates into gradients, not where momentum
     # masking (which needs updates) was asked for
     m = _net()

@@ -33,7 +33,8 @@ def adaptive_optimizer_classes() -> tuple:
 
 def resolve_exchange(exchange: str, optimizer, backward_passes_per_step: int,
                      local_steps: int, density: float = 0.01, op=None,
-                     momentum_correction: float = 0.0, sparsifier="topk") -> str:
+                     momentum_correction: float = 0.0, sparsifier="topk",
+                     momentum_masking: float = 0.0) -> str:
     """``"auto"``: exchange each rank's *update* for adaptive optimizers (Adam, AdamW, RMSprop,
     ...), whose per-coordinate normalisation shrinks the rare, accumulated steps a sparse
     gradient gives them, and for SGD with momentum, whose velocity then integrates each rank's
@@ -50,10 +51,12 @@ def resolve_exchange(exchange: str, optimizer, backward_passes_per_step: int,
     also with gradient accumulation, with ``momentum_correction`` (which acts on gradients),
     where nothing is sparsified (``density`` 1: Horovod's own step, bit for bit) and under
     ``op=Sum`` (a sum of gradients, which an adaptive step normalises; a sum of updates
-    would be P of them)."""
+    would be P of them). ``momentum_masking`` asks for updates (it masks the velocity where
+    a rank's update was sent), with accumulation too."""
     if exchange != "auto":
         return exchange
-    if local_steps > 1 or backward_passes_per_step > 1 or momentum_correction:
+    if local_steps > 1 or momentum_correction \
+            or (backward_passes_per_step > 1 and not momentum_masking):
         return "gradient"
     from .. import compat
 

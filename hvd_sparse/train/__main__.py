@@ -324,7 +324,8 @@ def exchange_defaults(args, base) -> None:
       (GRU +2.8 / +2.0% at 0.3, +3.9% at 0.2; LSTM +1.2 / +1.8% against +1.4 / +2.0% with full
       masking; ResNet -0.15 / -0.13 pt; docs/results.md "Convergence"). Where a gradient lever is
       asked for
-      (``--momentum-correction``) gradients stay, with the downlink selection.
+      (``--momentum-correction``) gradients stay, with the downlink selection, and so they do
+      for the hard threshold (its absolute ``--threshold`` is chosen from gradients).
 
     The warm-up and cool-down need the run's length, which only the run knows, so the library's
     own defaults stay 0."""
@@ -333,7 +334,9 @@ def exchange_defaults(args, base) -> None:
     sparse = args.optimizer == "sparse"
     adaptive = isinstance(base, adaptive_optimizer_classes())
     if sparse and args.exchange == "auto" and not adaptive:
-        args.exchange = "gradient" if args.momentum_correction else "update"
+        # (the hard threshold's absolute --threshold is chosen from gradients)
+        args.exchange = "gradient" if args.momentum_correction \
+            or args.sparsifier == "threshold" else "update"
     updates = sparse and resolve_exchange(
         args.exchange, base, 1, 1, args.density,
         momentum_correction=args.momentum if args.momentum_correction else 0.0,
