@@ -509,6 +509,16 @@ def scenario_sparse_embedding_unused_on_one_rank(res):
     res["emb_unused_sparseadam_equal"] = same_everywhere(net.emb.weight.detach())
 
 
+def horovod_step(m, base, i):
+    """Horovod's step at batch ``i``: ``base`` on the gradient averaged over the ranks."""
+    x, y = batch(i)
+    base.zero_grad()
+    F.cross_entropy(m(x), y).backward()
+    for j, p in enumerate(m.parameters()):
+        p.grad = hvd.allreduce(p.grad, name=f"twin.{j}")
+    base.step()
+
+
 def horovods_step_apart(m, opt, make_base, i):
     """Step ``opt`` at batch ``i`` beside a twin of ``m`` stepped as Horovod would (the wrapped
     optimizer's class, ``opt``'s state, on the allreduced gradient): the largest difference."""
@@ -518,12 +528,7 @@ def horovods_step_apart(m, opt, make_base, i):
     sd.pop("hvd_sparse")
     twin_opt.load_state_dict(sd)
     step(m, opt, i)
-    x, y = batch(i)
-    twin_opt.zero_grad()
-    F.cross_entropy(twin(x), y).backward()
-    for j, p in enumerate(twin.parameters()):
-        p.grad = hvd.allreduce(p.grad, name=f"twin.{j}")
-    twin_opt.step()
+    horovod_step(twin, twin_opt, i)
     return max(float((a - b).detach().abs().max())
                for a, b in zip(m.parameters(), twin.parameters()))
 
@@ -561,12 +566,7 @@ def scenario_sgd_momentum_all_dense_keeps_its_updates(res):
             kinds.append(opt.communication_stats()["exchange"])
             modes.append(sorted({v.mode for v in opt.engine_state().values() if v.sparse}))
             if twin is not None:
-                x, y = batch(i)
-                twin_opt.zero_grad()
-                F.cross_entropy(twin(x), y).backward()
-                for j, p in enumerate(twin.parameters()):
-                    p.grad = hvd.allreduce(p.grad, name=f"sgd.twin.{j}")
-                twin_opt.step()
+                horovod_step(twin, twin_opt, i)
         res["sgd_dense_kinds"] = kinds
         res["sgd_dense_modes"] = modes
         res["sgd_dense_params_equal"] = same_everywhere(params(m))
