@@ -93,6 +93,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_passthrough = (isinstance(engine.transport, HorovodTransport)
                                 and engine.transport.size() == 1
                                 and os.environ.get("HOROVOD_ELASTIC") != "1")
+        self._hs_mark_switchable()
         self._hs_grad_accs = []  # the AccumulateGrad nodes hooked: kept alive while we are
         if engine.transport.included() and not self._hs_passthrough:
             for p in self._hs_buckets_of:
@@ -132,7 +133,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                     "locally." + self._hs_other_wrapper_hint(p))
             self._hs_touched = True
             self._allreduce_delay[p] -= 1
-            if self._allreduce_delay[p] == 0 and not self._hs_engine.config.exchanges_updates:
+            if self._allreduce_delay[p] == 0 and not self._hs_engine.config.exchanges_updates \
+                    and not self._hs_agreement_pending():
                 complete = []
                 for b in self._hs_buckets_of[p]:
                     self._hs_ready[b.index] += 1
@@ -341,6 +343,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if self._hs_passthrough:  # Horovod's average over one rank: the gradient itself
             self._synchronized = True  # (a missing one stays missing: no hooks, as there)
             return
+        self._hs_agree_first()
         if self._hs_engine.config.exchanges_updates:
             # the exchange is of the update, in step(); gradients stay this rank's own. What
             # must agree is whether any rank's gradient is non-finite, so that a loss scaler
@@ -387,6 +390,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         engine = self._hs_engine
         # finished already, inside the loss scaler's unscale (see param_groups)
         scaler_synced, self._hs_synced_for_scaler = self._hs_synced_for_scaler, False
+        if self._should_synchronize and not scaler_synced and not self._hs_passthrough \
+                and self._hs_transport.included():
+            self._hs_agree_first()
         if engine.config.exchanges_updates and not self._hs_passthrough:
             if self._should_synchronize and not scaler_synced:
                 if self._synchronized:
@@ -523,9 +529,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         """An adaptive optimizer's updates exchanged by the library's own choice, every step,
         without masking. Not SGD's: its averaged updates, dense, are Horovod's step up to
         rounding (the step is linear in the gradient and the velocity), so a switch gains it
-        nothing, and a switch is a rank's own state: a worker joining an elastic job after it,
-        or ranks that did not load the checkpoint rank 0 loaded, exchanged updates beside
-        ranks exchanging gradients (a configuration mismatch, every rank stopped)."""
+        nothing. The switch is agreed as replicated state (:meth:`_hs_mark_switchable`)."""
         c = self._hs_engine.config
         return self._hs_exchange_auto and c.exchange == "update" and c.local_steps == 1 \
             and not c.momentum_masking and isinstance(self, adaptive_optimizer_classes())
@@ -539,6 +543,45 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             bidirectional=True if self._hs_bidirectional_auto else c.bidirectional)
         self._hs_engine.dense_only = dense_only
 
+    def _hs_mark_switchable(self) -> None:
+        """Where the all-dense switch may be taken (:meth:`_hs_may_take_horovods_step`),
+        the engine agrees on it as replicated state: the exchange (and the downlink
+        selection, where the library chose it too) and ``dense_only``. Otherwise the switch is
+        a rank's own, and a rank resumed or joining beside switched ranks exchanged updates
+        beside their gradients: the job hung (rank 0 alone loaded a switched checkpoint) or
+        stopped on a configuration mismatch (a worker joined an elastic job)."""
+        engine = self._hs_engine
+        if self._hs_may_take_horovods_step():
+            engine.switchable = ("exchange",) + \
+                (("bidirectional",) if self._hs_bidirectional_auto else ())
+            engine.on_switch = self._hs_adopt_switch
+        else:
+            engine.switchable, engine.on_switch = (), None
+
+    def _hs_adopt_switch(self, switch: dict) -> None:
+        """Another rank's switch (the agreement's root, or a checkpoint): its options and
+        ``dense_only``. The wrapped optimizer's state is the root's after
+        ``broadcast_optimizer_state`` (Horovod's, or an elastic state's sync)."""
+        engine = self._hs_engine
+        engine.config = dataclasses.replace(
+            engine.config, **{k: switch[k] for k in engine.switchable if k in switch})
+        engine.dense_only = bool(switch.get("dense_only", False))
+
+    def _hs_agreement_pending(self) -> bool:
+        """Is the agreement due where it may switch what is exchanged? Then no bucket
+        starts from the backward hooks: a rank exchanging updates reaches no hook, and the
+        agreement, made first in ``synchronize()``/``step()`` on every rank, may change this
+        rank's path."""
+        engine = self._hs_engine
+        return bool(engine.switchable) and not engine.agreed() \
+            and engine.transport.size() > 1
+
+    def _hs_agree_first(self) -> None:
+        """The agreement, before the gradient and update paths part (see
+        :meth:`_hs_agreement_pending`)."""
+        if self._hs_agreement_pending() and self._hs_transport.included():
+            self._hs_engine.ensure_agreed()
+
     def _hs_follow_saved_exchange(self, extra: dict) -> None:
         """An adaptive optimizer's state saved with gradients exchanged resumes exchanging
         gradients where the exchange is the library's choice (its residuals hold gradients):
@@ -547,7 +590,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         Horovod's step; a state without the flag is older, and "gradient" then meant the
         switch), else sparse, as it was. SGD takes no switch: its updates stay, and the
         engine drops a gradient state's residuals with a warning."""
-        if extra.get("exchange") == "gradient" and self._hs_may_take_horovods_step():
+        if self._hs_engine.switchable and extra.get("switch") is not None:
+            self._hs_engine.adopt_switch(extra["switch"])  # (saved since it is agreed)
+        elif extra.get("exchange") == "gradient" and self._hs_may_take_horovods_step():
             took = extra.get("horovods_step")
             self._hs_take_horovods_step(dense_only=True if took is None else bool(took))
 
@@ -656,6 +701,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             # accumulated gradient makes one local step, then the update goes out)
             c = dataclasses.replace(c, exchange="gradient", bidirectional=True
                                     if self._hs_bidirectional_auto else c.bidirectional)
+            engine.config = c
+            self._hs_mark_switchable()  # (gradients from the start: no switch to agree on)
         self.backward_passes_per_step = passes
         engine.config = dataclasses.replace(c, backward_passes_per_step=passes)
         for p in self._allreduce_delay:

@@ -185,6 +185,27 @@ def test_adam_takes_horovods_step_once_every_bucket_goes_dense(dropin):
         assert r["adam_dense_after_recalibration"] == ["gradient", ["dense"]]
 
 
+def test_adams_switch_to_horovods_step_is_taken_from_rank_0_at_a_resume(dropin):
+    """Rank 0 alone loads a state saved after the all-dense switch; the fresh ranks, on
+    updates, take the switch from it at the agreement (they hung beside its gradients). And
+    the reverse, where rank 0 loads a state from before the switch, mid-run, with
+    hvd_sparse's broadcast: the switched ranks go back to updates. The link is priced slow
+    after the resume: only the adopted switch keeps Horovod's step."""
+    keys = sorted({k[:-len("_kinds")] for k in dropin[0] if k.startswith("switch_resume_")
+                   and k.endswith("_kinds")})
+    assert len(keys) in (2, 3), keys  # (Horovod's own broadcast: the switched case only)
+    for r in dropin:
+        for key in keys:
+            assert r[f"{key}_error"] is None, (key, r[f"{key}_error"])
+            assert r[f"{key}_params_equal"], key
+            if key.endswith("_switched"):
+                assert r[f"{key}_kinds"] == ["update"] + ["gradient"] * 4, (key, r)
+                assert r[f"{key}_state_equal"], key
+                assert r[f"{key}_horovods_step"] < 1e-6, key
+            else:
+                assert r[f"{key}_kinds"] == ["gradient"] + ["update"] * 4, (key, r)
+
+
 def test_sgd_momentum_keeps_its_updates_once_every_bucket_goes_dense(dropin):
     for r in dropin:
         assert r["sgd_dense_kinds"] == ["update"] * 7

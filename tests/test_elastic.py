@@ -12,7 +12,8 @@ from conftest import WORKERS, _env
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize("collective", ["default", "sharded", "updates", "updates_timed"])
+@pytest.mark.parametrize("collective", ["default", "sharded", "updates", "updates_timed",
+                                        "adam_timed"])
 def test_elastic_join_and_removal_keep_replicas_identical(tmp_path, mpi_available, collective):
     """Also with every bucket sharded: at each world change the survivors' regions are
     gathered and cut again for the new world; only the departed worker's are lost. And with
@@ -20,7 +21,9 @@ def test_elastic_join_and_removal_keep_replicas_identical(tmp_path, mpi_availabl
     TorchState's restore broadcasts rank 0's), also under the time cost model, which sends
     this small model's buckets dense on loopback: a switch to Horovod's step there made the
     survivors exchange gradients beside a joiner exchanging updates (a configuration
-    mismatch, the job stopped)."""
+    mismatch, the job stopped). Adam takes that switch (``adam_timed``): it is replicated
+    state, which the joiner takes from the survivors before its first exchange (it
+    exchanged updates beside their gradients)."""
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
     discover = tmp_path / "discover.sh"
@@ -32,9 +35,11 @@ def test_elastic_join_and_removal_keep_replicas_identical(tmp_path, mpi_availabl
            str(WORKERS / "elastic_worker.py"), str(tmp_path), str(hosts)]
     try:
         updates = collective.startswith("updates")
+        adam = collective == "adam_timed"
         env = dict(_env(), HVD_SPARSE_TEST_COLLECTIVE=collective,
-                   HVD_SPARSE_TEST_EXCHANGE="auto" if updates else "gradient",
-                   HVD_SPARSE_TEST_COST="time" if collective == "updates_timed" else "off")
+                   HVD_SPARSE_TEST_EXCHANGE="auto" if updates or adam else "gradient",
+                   HVD_SPARSE_TEST_OPTIMIZER="adam" if adam else "sgd",
+                   HVD_SPARSE_TEST_COST="time" if collective.endswith("_timed") else "off")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"elastic job hung:\n{e.stdout}\n{e.stderr}")
@@ -49,8 +54,10 @@ def test_elastic_join_and_removal_keep_replicas_identical(tmp_path, mpi_availabl
         assert r["params_equal"] and r["downlink_equal"] and r["steps_equal"], r
         assert r["finite"]
         assert r["exchange"] == ("update" if updates else "gradient")
-        if collective == "updates_timed":
+        if collective.endswith("_timed"):
             assert r["modes"] == ["dense"], r  # (the case a switch would have taken)
+        if adam:  # switched before the join: the joiner took it
+            assert r["exchange_before_join"] == "gradient", r
         assert r["steps"] == r["batch"]  # one exchange per batch, counters carried across
         assert r["collectives"] == (["sharded"] if collective == "sharded" else ["allgather"])
         # the join loses nothing; the shrink loses the departed worker's regions, said once

@@ -39,11 +39,14 @@ class Checkpointing:
                         if self.state[b.index].anchor is not None},
             "sparsifier": self.config.sparsifier.state_dict(),
             "downlink_sparsifier": self.config.downlink_sparsifier.state_dict(),
+            **({"switch": self.switch_state()} if self.switchable else {}),
         }
 
     def load_replicated(self, saved: dict) -> None:
         """Adopt replicated state (from :meth:`replicated_state` or a checkpoint), each tensor
-        moved to the device of its bucket's parameters."""
+        moved to the device of its bucket's parameters. The library's exchange switch
+        first, where both sides may take it: what this rank's residuals hold may change."""
+        self.adopt_switch(saved.get("switch"))
         buckets = saved["buckets"]
         for b in self.buckets:
             st = self.state[b.index]
@@ -71,6 +74,25 @@ class Checkpointing:
         self.calibrated_world = saved.get("calibrated_world")
         self.config.sparsifier.load_state_dict(saved.get("sparsifier", {}))
         self.config.downlink_sparsifier.load_state_dict(saved.get("downlink_sparsifier", {}))
+
+    def adopt_switch(self, switch) -> None:
+        """Take another rank's (or a checkpoint's) exchange switch where it differs from
+        this rank's: the options and ``dense_only`` as they are there; where the exchanged
+        kind changes, this rank's own residuals hold the other kind of mass and start
+        afresh (a fresh process's hold none)."""
+        if not self.switchable or switch is None or self.on_switch is None \
+                or switch == self.switch_state():
+            return
+        kind = self.exchange_kind()
+        self.on_switch(switch)
+        if self.exchange_kind() != kind:
+            for b in self.buckets:
+                st = self.state[b.index]
+                for r in (st.uplink, st.velocity):
+                    if r is not None:
+                        r.load(None)
+                st.spare = None
+                st.anchor = None
 
     def consolidate(self) -> None:
         """Collective (every rank, between steps): each sharded bucket's region residuals are

@@ -26,7 +26,7 @@ import io
 import os
 import warnings
 from types import MappingProxyType
-from typing import Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -103,6 +103,11 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         # set where the library switched an adaptive optimizer to Horovod's step because every
         # bucket went dense (hvd_sparse.optimizer): later calibrations keep them dense
         self.dense_only = False
+        # options that follow that switch (set by the optimizer where it may take it): they
+        # and dense_only are replicated state, agreed before a step's paths part (a rank's
+        # own, a rank resumed or joining beside switched ranks exchanged the other kind)
+        self.switchable: Tuple[str, ...] = ()
+        self.on_switch: Optional[Callable[[dict], None]] = None  # applies another rank's
         self.steps = 0
         self.local_count = 0
         self.stats = CommunicationStats()
@@ -216,7 +221,9 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
                              [n, list(p.shape), str(p.dtype), list(sl)]
                              for n, p, sl in zip(b.names, b.params, b.slices)]}
                         for b in self.buckets],
-            "options": c.describe(),
+            "options": {k: "agreed as replicated state" if k in self.switchable else v
+                        for k, v in c.describe().items()},
+            "switchable": list(self.switchable),
             "compression": getattr(c.compression, "__name__", type(c.compression).__name__),
         }
 
@@ -282,6 +289,11 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
                                       "hvd_sparse.agree.dense")
         if not same:
             safety.raise_config_mismatch(self.transport, text, other_optimizer=True)
+
+    def switch_state(self) -> dict:
+        """The library's exchange switch as replicated state (see ``switchable``)."""
+        return {"dense_only": bool(self.dense_only),
+                **{k: getattr(self.config, k) for k in self.switchable}}
 
     def agreed(self) -> bool:
         """Has the cross-rank agreement run for this world (so that every rank is known to

@@ -632,6 +632,73 @@ def scenario_adam_all_dense_takes_horovods_step(res):
         costmodel.dense_time = real
 
 
+def scenario_adam_switch_resumed_on_rank0(res):
+    """Horovod's resume recipe after Adam's switch to Horovod's step: rank 0 alone loads a
+    checkpoint saved after the switch, the other ranks start fresh (exchanging updates, the
+    library's choice), then broadcast_optimizer_state. The switch is replicated state: every
+    rank takes rank 0's (it was a rank's own, and the fresh ranks' updates met rank 0's
+    gradients in a configuration mismatch). The reverse too: rank 0 loads a state saved before
+    any switch while the others had switched. Pricing forced (dense free), as above."""
+    from hvd_sparse import costmodel
+
+    real = costmodel.dense_time
+    hows = ["mpi"] if BACKEND == "mpi" else ["horovod", "hvd_sparse"]
+    try:
+        for how in hows:
+            for case in ("switched", "unswitched"):
+                if how == "horovod" and case == "unswitched":
+                    continue  # (a broadcast mid-run needs hvd_sparse's: Horovod's own tells
+                    # the engine nothing, and the others' agreement is not due)
+                key = f"switch_resume_{how}_{case}"
+                costmodel.dense_time = lambda *a, **k: 0.0
+                m = model()
+                opt = hvd.DistributedOptimizer(
+                    torch.optim.Adam(m.parameters(), lr=0.01),
+                    named_parameters=m.named_parameters(), density=0.1, min_sparse_numel=0,
+                    cost_model="time", calibration_steps=2)
+                if case == "unswitched":  # saved before the calibration
+                    step(m, opt, 0)
+                    ckpt = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict()})
+                for i in range(1, 5):
+                    step(m, opt, i)
+                if case == "switched":
+                    ckpt = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict()})
+                    m2 = model(seed=100 + hvd.rank())
+                    opt2 = hvd.DistributedOptimizer(
+                        torch.optim.Adam(m2.parameters(), lr=0.01),
+                        named_parameters=m2.named_parameters(), density=0.1,
+                        min_sparse_numel=0, cost_model="time", calibration_steps=2)
+                else:  # the others go on from where they are: switched
+                    m2, opt2 = m, opt
+                before = opt2.communication_stats()["exchange"]
+                costmodel.dense_time = lambda *a, **k: 1e3  # from now on a slow link: only
+                # the switch (dense_only) keeps Horovod's step
+                if hvd.rank() == 0:
+                    m2.load_state_dict(ckpt["model"])
+                    opt2.load_state_dict(ckpt["opt"])
+                hvd.broadcast_parameters(m2.state_dict(), root_rank=0)
+                broadcast_state(opt2, how)
+                kinds, error = [before], None
+                try:
+                    for i in range(5, 9):
+                        step(m2, opt2, i)
+                        kinds.append(opt2.communication_stats()["exchange"])
+                except Exception as exc:  # noqa: BLE001 - the type is what is checked
+                    error = f"{type(exc).__name__}: {str(exc)[:300]}"
+                res[f"{key}_error"] = error
+                res[f"{key}_kinds"] = kinds
+                if error is None:
+                    res[f"{key}_params_equal"] = same_everywhere(params(m2))
+                    if case == "switched":  # Horovod's step, as rank 0's was, on its state
+                        base = opt2.state_dict()
+                        base.pop("hvd_sparse")
+                        res[f"{key}_state_equal"] = same_everywhere(base)
+                        res[f"{key}_horovods_step"] = horovods_step_apart(
+                            m2, opt2, lambda ps: torch.optim.Adam(ps, lr=0.01), 9)
+    finally:
+        costmodel.dense_time = real
+
+
 def scenario_update_exchange(res):
     """exchange="update" with AdamW: replicas stay bitwise identical, optimizer state per rank."""
     m = model()
@@ -1224,6 +1291,7 @@ def scenario_two_optimizers_in_rank_order(res):
 
 
 SCENARIOS = [scenario_update_exchange, scenario_adam_all_dense_takes_horovods_step,
+             scenario_adam_switch_resumed_on_rank0,
              scenario_sgd_momentum_all_dense_keeps_its_updates,
              scenario_step_hooks, scenario_gradient_hooks_after_wrapping,
              scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,

@@ -38,12 +38,21 @@ def main():
     extra = {"collective": "sharded", "sharded_selection": "region"} if sharded else {}
     # HVD_SPARSE_TEST_EXCHANGE=auto: the library's choice for this SGD (its updates)
     exchange = os.environ.get("HVD_SPARSE_TEST_EXCHANGE", "gradient")
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+    # HVD_SPARSE_TEST_OPTIMIZER=adam: Adam, which the time cost model switches to Horovod's
+    # step once every bucket goes dense (this small model on loopback)
+    # (calibrated after 2 steps: switched before the worker joins)
+    adam = os.environ.get("HVD_SPARSE_TEST_OPTIMIZER") == "adam"
+    base = torch.optim.Adam(m.parameters(), lr=0.01) if adam else \
+        torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    if adam:
+        extra["calibration_steps"] = 2
+    opt = hvd.DistributedOptimizer(base,
                                    named_parameters=m.named_parameters(), density=0.1,
                                    min_sparse_numel=0,
                                    cost_model=os.environ.get("HVD_SPARSE_TEST_COST", "off"),
                                    exchange=exchange, **extra)
     state = hvd.elastic.TorchState(model=m, optimizer=opt, batch=0, phase=0, sizes=[])
+    seen = []  # this process's (world size, what its step exchanged), batch by batch
 
     @hvd.elastic.run
     def train(state):
@@ -53,6 +62,7 @@ def main():
             opt.zero_grad()
             F.cross_entropy(m(x), y).backward()
             opt.step()
+            seen.append((hvd.size(), opt.communication_stats()["exchange"]))
             state.sizes.append(hvd.size())
             state.batch += 1
             if hvd.rank() == 0:
@@ -88,6 +98,9 @@ def main():
     res = {"rank": hvd.rank(), "size": hvd.size(), "sizes": list(state.sizes),
            "batch": state.batch, "steps": own["steps"], "collectives": collectives,
            "exchange": opt.communication_stats()["exchange"],
+           # what this rank exchanged on its last step before the worker joined
+           "exchange_before_join": next((seen[i - 1][1] for i in range(1, len(seen))
+                                         if seen[i][0] == 3), None),
            "modes": sorted({v.mode for v in engine.values() if v.sparse}),
            "region_warnings": notes,
            "params_equal": all(e["params"] == own["params"] for e in everyone),
