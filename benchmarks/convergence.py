@@ -41,6 +41,12 @@ Levers, each with its reason:
   the share ``f`` of its own Top-K and the rest of the budget goes to the largest entries of
   any tensor (``f=0``: global Top-K; ``f=1``: layer-wise), so no layer starves (the ResNet's
   loss under global selection) while the budget still flows to the large magnitudes;
+* ``varcorr`` (adaptive optimizers, exchanged updates): each rank's Adam steps on an estimate
+  of the full batch's second moment, its own minus (1 - 1/P) times the gradient noise that
+  half the squared difference of consecutive gradients estimates (each rank sees a P-th of
+  the batch, so its own second moment holds P times the noise; the same argument as the
+  gradient-noise scale of McCandlish et al., 2018, made per coordinate from time instead of
+  from two batch sizes); ``update-dense`` (density 1) isolates what per-rank moments cost;
 * density 1% and 0.1%, and the run's length (``--steps``: names get ``@<steps>steps`` unless
   300), since error feedback's delay weighs less in a longer run.
 
@@ -132,6 +138,18 @@ def _levers(steps):
         # budget (10% of dense): DGC's density warm-up, or the first 10 steps dense
         "topk1%-update-unidirectional-warmup": ["--density", "0.01", *update,
                                                 "--no-bidirectional", *warm],
+        # the full batch's second moment for each rank's Adam (hvd_sparse.variance_correction:
+        # each rank's own second moment holds P times the full batch's gradient noise);
+        # updates averaged densely, without and with it, show what per-rank moments cost
+        "topk1%-update-unidirectional-warmup-varcorr": ["--density", "0.01", *update,
+                                                        "--no-bidirectional", *warm,
+                                                        "--variance-correction"],
+        "topk0.1%-update-unidirectional-warmup5-global-varcorr": [
+            "--density", "0.001", *update, "--no-bidirectional", *warm5, "--scope", "model",
+            "--variance-correction"],
+        "update-dense": ["--density", "1.0", *update, "--no-bidirectional"],
+        "update-dense-varcorr": ["--density", "1.0", *update, "--no-bidirectional",
+                                 "--variance-correction"],
         "topk1%-update-unidirectional-warmup-cooldown": ["--density", "0.01", *update,
                                                          "--no-bidirectional", *warm, *cool],
         # DGC's momentum factor masking with exchanged updates (each rank's SGD momentum zeroed
@@ -238,7 +256,10 @@ def workloads(steps, evals):
     # optimizers, topk1%-update-unidirectional-warmup-mask-cooldown for SGD with momentum)
     common = ["--dataset", "shakespeare", "--epochs", str(evals), "--steps-per-epoch", str(per),
               "--cost-model", "off", "--bidirectional", "--density-warmup-steps", "0",
-              "--density-cooldown-steps", "0", "--no-momentum-masking"]
+              "--density-cooldown-steps", "0", "--no-momentum-masking",
+              # (the library's default for AdamW's updates since the thirty-seventh session,
+              # named by the levers that use it: ``-varcorr``)
+              "--no-variance-correction"]
     return {
         "transformer": common + ["--model", "transformer", "--base-optimizer", "adamw",
                                  "--lr", "3e-3", "--warmup-steps", str(max(1, steps // 10)),

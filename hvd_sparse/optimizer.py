@@ -25,6 +25,7 @@ from . import validate
 from .engine import Engine, build_config
 from .engine.config import EXCHANGES, adaptive_optimizer_classes, passes_per_step, resolve_exchange
 from .transport import HorovodTransport, make_transport
+from .variance_correction import VarianceCorrection
 
 STATE_KEY = "hvd_sparse"
 try:  # the loop of torch.amp.GradScaler's unscale_ (and of its inf check for fused steps)
@@ -94,6 +95,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                                 and engine.transport.size() == 1
                                 and os.environ.get("HOROVOD_ELASTIC") != "1")
         self._hs_mark_switchable()
+        self._hs_variance = VarianceCorrection() if engine.config.variance_correction else None
         self._hs_grad_accs = []  # the AccumulateGrad nodes hooked: kept alive while we are
         if engine.transport.included() and not self._hs_passthrough:
             for p in self._hs_buckets_of:
@@ -493,7 +495,14 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         result, hooks = None, None
         if not skip_local and engine.local_step_finite():
             hooks = _StepHooks(self, self._hs_base.step, closure)
-            result = hooks.run()
+            corrected = self._hs_variance is not None and engine.config.exchanges_updates
+            if corrected:  # the full batch's second moment for this step
+                self._hs_variance.before(self, engine.transport.size())
+            try:
+                result = hooks.run()
+            finally:
+                if corrected:
+                    self._hs_variance.after()
         self._hs_reset_round()
         if engine.local_step_done() and self._hs_transport.included():
             try:
@@ -726,6 +735,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         out["cost_model"] = engine.cost_report()
         out["exchange"] = "update" if engine.config.exchanges_updates else "gradient"
         out["bidirectional"] = engine.config.bidirectional
+        # each rank's Adam steps on the full batch's second moment (while updates are
+        # exchanged: not after the all-dense switch to Horovod's step)
+        out["variance_correction"] = self._hs_variance is not None \
+            and engine.config.exchanges_updates
         out["transport"] = type(engine.transport).__name__
         return out
 
@@ -745,12 +758,20 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         sd = self._hs_base.state_dict(self)
         sd[STATE_KEY] = self._hs_engine.state_dict()
+        if self._hs_variance is not None:  # this rank's own, like its uplink residuals
+            sd[STATE_KEY]["variance"] = self._hs_variance.state_dict()
         return sd
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         extra = state_dict.pop(STATE_KEY, None)
+        variance = None
         if extra is not None:  # refused before anything is loaded, not half way
+            extra = dict(extra)
+            variance = extra.pop("variance", None)
+            t = self._hs_transport
+            if extra.get("rank") != t.rank() or extra.get("world_size") != t.size():
+                variance = None  # another rank's noise estimates: this rank starts its own
             extra = self._hs_engine.checked_state(extra)
         self._hs_reset_round()
         self._synchronized = False
@@ -770,6 +791,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if extra is not None:
             self._hs_follow_saved_exchange(extra)
             self._hs_engine.load_state_dict(extra)
+            if self._hs_variance is not None:
+                self._hs_variance.load_state_dict(variance)
 
 
 def _add_flat(t, lo, hi, seg) -> None:
@@ -781,6 +804,27 @@ def _add_flat(t, lo, hi, seg) -> None:
         flat = t.reshape(-1).clone()
         flat[lo:hi].add_(seg)
         t.copy_(flat.view(t.shape))
+
+
+def _variance_correction(value, optimizer, exchange, local_steps) -> bool:
+    """``variance_correction`` resolved: by default on where an Adam-family optimizer's
+    updates are exchanged (:mod:`hvd_sparse.variance_correction`); asked for elsewhere, an
+    error that says where it applies."""
+    from .variance_correction import corrects
+
+    updates = exchange == "update" or local_steps > 1
+    if value is None:
+        return updates and corrects(optimizer)
+    value = validate.flag("variance_correction", value)
+    if value and not corrects(optimizer):
+        raise ValueError(f"variance_correction=True corrects the second moment of torch's "
+                         f"Adam, AdamW, NAdam or RAdam (or a subclass); got "
+                         f"{type(optimizer).__name__}")
+    if value and not updates:
+        raise ValueError("variance_correction=True applies where weight updates are exchanged "
+                         "(exchange=\"update\", or local_steps > 1): with gradients exchanged "
+                         "the wrapped optimizer sees the averaged gradient already")
+    return value
 
 
 def _named_parameters(optimizer, named_parameters):
@@ -822,7 +866,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          nonfinite="propagate", verify_every=0, check_config=True,
                          collective="auto", sharded_selection="global",
                          rebalance_every=100, scope="auto", layer_floor=0.0,
-                         momentum_masking=False,
+                         momentum_masking=False, variance_correction=None,
                          bucket_cap_mb=25.0,
                          min_sparse_numel=1024,
                          max_bucket_numel=None,
@@ -964,6 +1008,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     bidirectional_auto = bidirectional is None
     if bidirectional_auto:
         bidirectional = exchange != "update"
+    variance_correction = _variance_correction(variance_correction, optimizer, exchange,
+                                               local_steps)
     config = build_config(
         op=op, gradient_predivide_factor=gradient_predivide_factor,
         backward_passes_per_step=backward_passes_per_step, compression=compression,
@@ -981,7 +1027,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         value_dtype=value_dtype, nonfinite=nonfinite, verify_every=verify_every,
         check_config=check_config, collective=collective,
         sharded_selection=sharded_selection, rebalance_every=rebalance_every,
-        layer_floor=layer_floor, momentum_masking=momentum_masking)
+        layer_floor=layer_floor, momentum_masking=momentum_masking,
+        variance_correction=variance_correction)
     if density_cooldown_steps and (local_steps > 1 or exchange == "update") \
             and isinstance(optimizer, adaptive_optimizer_classes()):
         warnings.warn(

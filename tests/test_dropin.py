@@ -226,6 +226,16 @@ def test_update_exchange_keeps_replicas_identical(dropin):
         assert r["update_adam_state_per_rank"]  # each rank's AdamW saw its own gradients
 
 
+def test_adamw_updates_step_on_the_full_batchs_second_moment(dropin):
+    """On by default for AdamW's exchanged updates; each rank's own state resumes it bit for
+    bit (its noise estimates are saved), replicas stay identical, and it changes the steps."""
+    for r in dropin:
+        assert r["update_variance_correction"] is True
+        assert r["update_corrected_resume_exact"] and r["update_corrected_equal"]
+        assert r["update_corrected_counts"] == [5] * 4  # (four tensors, five differences)
+        assert r["update_corrected_differs"] > 1e-6
+
+
 @pytest.mark.parametrize("exchange", ["update", "gradient"])
 def test_step_hooks_fire_once_and_post_hooks_see_the_exchanged_parameters(dropin, exchange):
     """An EMA or a weight constraint in a step post-hook works on the replicas' parameters:

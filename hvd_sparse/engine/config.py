@@ -129,6 +129,9 @@ class EngineConfig:
     # exchanged updates: the share of this rank's momentum buffer removed where it sent (1:
     # zeroed, DGC's masking; 0: left alone)
     momentum_masking: float = 0.0
+    # exchanged updates of an Adam-family optimizer: each rank's step uses an estimate of the
+    # full batch's second moment (hvd_sparse.variance_correction), not its own batch's
+    variance_correction: bool = False
 
     def describe(self) -> dict:
         """The options as plain values, for the cross-rank configuration digest."""
@@ -212,7 +215,8 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
                  dense_fallback, cost_model, calibration_steps, recalibrate_every, value_dtype,
                  nonfinite, verify_every, check_config, collective="auto",
                  sharded_selection="global", rebalance_every=100,
-                 layer_floor=0.0, momentum_masking=False) -> EngineConfig:
+                 layer_floor=0.0, momentum_masking=False,
+                 variance_correction=False) -> EngineConfig:
     """Validate the keywords of :func:`hvd_sparse.DistributedOptimizer` (clear errors naming
     the keyword) and freeze them."""
     from .. import compat
@@ -352,4 +356,5 @@ def build_config(*, op, gradient_predivide_factor, backward_passes_per_step, com
         verify_every=verify_every, check_config=validate.flag("check_config", check_config),
         collective=collective,
         sharded_selection=sharded_selection, rebalance_every=rebalance_every,
-        layer_floor=float(layer_floor), momentum_masking=momentum_masking)
+        layer_floor=float(layer_floor), momentum_masking=momentum_masking,
+        variance_correction=validate.flag("variance_correction", variance_correction))

@@ -118,6 +118,11 @@ def parse_args(argv=None):
                         "updates, see exchange_defaults)")
     p.add_argument("--no-momentum-masking", dest="momentum_masking", action="store_const",
                    const=0.0, help="leave the momentum alone where a rank sent")
+    p.add_argument("--variance-correction", dest="variance_correction",
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="Adam-family optimizers with exchanged updates: each rank steps on an "
+                        "estimate of the full batch's second moment (default: the library's, "
+                        "on there; hvd_sparse.variance_correction)")
     p.add_argument("--min-sparse-numel", type=int, default=1024,
                    help="tensors with fewer entries are exchanged dense")
     p.add_argument("--index-coding", default=None, choices=["auto", "plain", "golomb"],
@@ -385,6 +390,8 @@ def build_optimizer(args, model, base, hvd):
         extra["momentum_correction"] = args.momentum
     if args.momentum_masking:
         extra["momentum_masking"] = args.momentum_masking
+    if args.variance_correction is not None:
+        extra["variance_correction"] = args.variance_correction
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                     sparsifier=args.sparsifier, density=args.density,
                                     bidirectional=args.bidirectional,

@@ -710,6 +710,32 @@ def scenario_update_exchange(res):
     res["update_moved"] = float((params(m) - params(model())).abs().max())
     state = opt.state_dict()["state"][0]["exp_avg"]
     res["update_adam_state_per_rank"] = not same_everywhere(state)
+    # the full batch's second moment (the default for AdamW's updates): each rank's state
+    # saved and loaded by itself resumes bit for bit, replicas stay identical, and the steps
+    # differ from AdamW's on each rank's own second moment
+    res["update_variance_correction"] = opt.communication_stats()["variance_correction"]
+    ends = {}
+    for corrected in (True, False):
+        m = model()
+        opt = make(m, torch.optim.AdamW(m.parameters(), lr=1e-2), exchange="update",
+                   variance_correction=corrected)
+        hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+        for i in range(6):
+            step(m, opt, i)
+        saved = copy.deepcopy((m.state_dict(), opt.state_dict()))
+        for i in range(6, 10):
+            step(m, opt, i)
+        ends[corrected] = params(m)
+        if corrected:
+            m.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+            for i in range(6, 10):
+                step(m, opt, i)
+            res["update_corrected_resume_exact"] = bool(torch.equal(params(m), ends[True]))
+            res["update_corrected_equal"] = same_everywhere(params(m))
+            res["update_corrected_counts"] = sorted(
+                saved[1]["hvd_sparse"]["variance"]["count"].values())
+    res["update_corrected_differs"] = float((ends[True] - ends[False]).abs().max())
 
 
 def scenario_gradient_hooks_after_wrapping(res):

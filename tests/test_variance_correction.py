@@ -1,0 +1,226 @@
+"""The full batch's second moment for Adam-family optimizers whose updates are exchanged
+(hvd_sparse.variance_correction): the step against a hand-written reference, the estimate
+against a known noise, the wrapped optimizer's own state left as it was, and the option's
+resolution. Multi-rank behaviour (identical replicas, exact resume) is in test_dropin.py."""
+import copy
+
+import pytest
+import torch
+
+import hvd_sparse
+from hvd_sparse.transport import LocalTransport
+from hvd_sparse.variance_correction import VarianceCorrection
+
+
+def _grads(steps, shape=(5, 3), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mean = torch.randn(shape, generator=g, dtype=torch.float64)
+    return [mean + 2.0 * torch.randn(shape, generator=g, dtype=torch.float64)
+            for _ in range(steps)]
+
+
+def _reference(p0, grads, world, lr=0.01, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
+               decoupled=True):
+    """Adam(W) written out, stepping on the corrected second moment."""
+    b1, b2 = betas
+    p = p0.clone()
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    d = torch.zeros_like(p)
+    n, last = 0, None
+    for t, g in enumerate(grads, 1):
+        if decoupled:
+            p = p * (1 - lr * wd)
+        else:
+            g = g + wd * p
+        if last is not None:
+            d = b2 * d + (1 - b2) * (g - last) ** 2 / 2
+            n += 1
+        last = g
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        vhat = v / (1 - b2 ** t)
+        if n and t > 1:
+            floor = (1 - b2) * g * g / (1 - b2 ** t)
+            vhat = torch.maximum(torch.maximum(vhat - (1 - 1 / world) * d / (1 - b2 ** n),
+                                               vhat / world), floor)
+        p = p - lr * (m / (1 - b1 ** t)) / (vhat.sqrt() + eps)
+    return p, v
+
+
+def _run(make, grads, world, p0):
+    p = torch.nn.Parameter(p0.clone())
+    opt = make([p])
+    corr = VarianceCorrection()
+    for g in grads:
+        p.grad = g.clone()
+        corr.before(opt, world)
+        opt.step()
+        corr.after()
+    return p.detach(), opt.state[p]["exp_avg_sq"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", ["adamw", "adam_l2", "adam_plain"])
+def test_the_step_uses_the_corrected_second_moment_and_keeps_adams_own(world, kind):
+    grads = _grads(40)
+    p0 = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    if kind == "adamw":
+        make, ref = (lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)), \
+            dict(wd=0.1, decoupled=True)
+    elif kind == "adam_l2":  # Adam squares the gradient plus the decay term
+        make, ref = (lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.05)), \
+            dict(wd=0.05, decoupled=False)
+    else:
+        make, ref = (lambda ps: torch.optim.Adam(ps, lr=0.01)), {}
+    got, v = _run(make, grads, world, p0)
+    want, want_v = _reference(p0, grads, world, **ref)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    # Adam's state holds the rank's own second moment, as without the correction (to rounding)
+    assert torch.allclose(v, want_v, rtol=1e-9, atol=0)
+    plain, _ = _run(make, grads, 1, p0)  # one rank: nothing to correct
+    assert not torch.allclose(got, plain, rtol=1e-6)
+
+
+def test_one_rank_is_adam_bit_for_bit():
+    grads = [g.float() for g in _grads(20)]
+    p0 = torch.randn(5, 3)
+    got, _ = _run(lambda ps: torch.optim.AdamW(ps, lr=0.01), grads, 1, p0)
+    p = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([p], lr=0.01)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    assert torch.equal(got, p.detach())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_estimate_is_the_full_batchs_second_moment(world):
+    """Gradients of a rank: mean 0.5 plus noise of variance 1. The full batch (P ranks) has
+    noise of variance 1/P: its second moment is 0.25 + 1/P, the rank's own 1.25."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(2000, dtype=torch.float64))
+    opt = torch.optim.Adam([p], lr=0.0, betas=(0.9, 0.999))
+    corr = VarianceCorrection()
+    seen = []
+    for t in range(3000):
+        p.grad = 0.5 + torch.randn(2000, dtype=torch.float64)
+        corr.before(opt, world)
+        opt.step()
+        if t == 2999:
+            seen.append(opt.state[p]["exp_avg_sq"].clone() / (1 - 0.999 ** 3000))
+        corr.after()
+    own = opt.state[p]["exp_avg_sq"] / (1 - 0.999 ** 3000)
+    assert abs(float(own.mean()) - 1.25) < 0.03
+    assert abs(float(seen[0].mean()) - (0.25 + 1 / world)) < 0.03
+
+
+def test_amsgrad_and_a_pre_hook_that_shrinks_gradients_stay_finite():
+    """The corrected moment is put in as the pre-image of Adam's update: a gradient changed
+    after it (a step pre-hook clipping it) must not make the second moment negative."""
+    p = torch.nn.Parameter(torch.zeros(100))
+    opt = torch.optim.Adam([p], lr=0.01, amsgrad=True)
+    corr = VarianceCorrection()
+    g = torch.Generator().manual_seed(0)
+    for t in range(50):
+        p.grad = torch.randn(100, generator=g) * (100.0 if t % 7 == 0 else 1.0)
+        corr.before(opt, 4)
+        p.grad.mul_(0.01)  # what a pre-hook clipping it would do
+        opt.step()
+        corr.after()
+    assert torch.isfinite(p).all()
+    assert (opt.state[p]["exp_avg_sq"] >= 0).all()
+
+
+class _Echo(LocalTransport):
+    """Two ranks that hold the same gradients: the averaged update is each rank's own."""
+
+    fuses_allreduces = True
+
+    def size(self):
+        return 2
+
+    def allgather_async(self, payload, name):
+        return torch.cat([payload, payload])
+
+    def allreduce_async(self, tensor, name, *, average, prescale=1.0, postscale=1.0):
+        return tensor
+
+
+def _wrapped(m, base, **kw):
+    return hvd_sparse.DistributedOptimizer(base, named_parameters=m.named_parameters(),
+                                           transport=_Echo(), min_sparse_numel=0,
+                                           cost_model="off", check_config=False, **kw)
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)) for _ in range(n)]
+
+
+def test_the_wrapped_adamw_steps_on_the_corrected_moment():
+    """AdamW wrapped (its updates exchanged, dense here) on two echoing ranks steps exactly as
+    AdamW with the correction for two ranks; with it turned off, as AdamW itself. Its state
+    saved and loaded by the same rank resumes bit for bit."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(6, 2)
+    twin, plain_net = copy.deepcopy(net), copy.deepcopy(net)
+    opt = _wrapped(net, torch.optim.AdamW(net.parameters(), lr=0.05), density=1.0,
+                   exchange="update")
+    assert opt.communication_stats()["variance_correction"] is True
+    plain = _wrapped(plain_net, torch.optim.AdamW(plain_net.parameters(), lr=0.05),
+                     density=1.0, exchange="update", variance_correction=False)
+    ref = torch.optim.AdamW(twin.parameters(), lr=0.05)
+    corr = VarianceCorrection()
+    batches = _batches(12)
+    for i, (x, y) in enumerate(batches):
+        for n, o in ((net, opt), (plain_net, plain), (twin, ref)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(n(x), y).backward()
+        opt.step()
+        plain.step()
+        corr.before(ref, 2)
+        ref.step()
+        corr.after()
+        if i == 5:
+            saved = (copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict()))
+    for a, b in zip(net.parameters(), twin.parameters()):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert any(not torch.allclose(a, b, rtol=1e-4)
+               for a, b in zip(net.parameters(), plain_net.parameters()))
+    assert saved[1]["hvd_sparse"]["variance"]["count"] == {0: 5, 1: 5}
+    end = [p.detach().clone() for p in net.parameters()]
+    net.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    for x, y in batches[6:]:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), end))
+
+
+def test_where_the_correction_applies():
+    def resolved(make, **kw):
+        m = torch.nn.Linear(6, 2)
+        return _wrapped(m, make(m.parameters()), density=0.1, **kw) \
+            .communication_stats()["variance_correction"]
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    for make in (lambda p: torch.optim.Adam(p), lambda p: torch.optim.AdamW(p),
+                 lambda p: torch.optim.NAdam(p), lambda p: torch.optim.RAdam(p),
+                 lambda p: MyAdam(p)):
+        assert resolved(make) is True  # the library's choice: their updates, corrected
+        assert resolved(make, variance_correction=False) is False
+        assert resolved(make, exchange="gradient") is False  # (the averaged gradient)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    assert resolved(sgd) is False  # no second moment
+    assert resolved(lambda p: torch.optim.RMSprop(p)) is False  # (another update rule)
+    assert resolved(lambda p: torch.optim.Adamax(p)) is False
+    with pytest.raises(ValueError, match="Adam, AdamW, NAdam or RAdam"):
+        resolved(sgd, variance_correction=True)
+    with pytest.raises(ValueError, match="weight updates are exchanged"):
+        resolved(lambda p: torch.optim.Adam(p), exchange="gradient", variance_correction=True)
+    with pytest.raises(TypeError, match="variance_correction"):
+        resolved(lambda p: torch.optim.Adam(p), variance_correction="yes")
