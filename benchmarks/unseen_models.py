@@ -19,7 +19,10 @@ runs with Horovod's own optimizer (``dense``) and with hvd_sparse as
 * ``gradient``, ``update``, ``update_mask`` (updates, half-strength masking) and
   ``gradient_warm`` (gradients, the warm-up): single levers against the library's defaults,
   the study behind ``exchange="auto"``'s choice for SGD with momentum (``--out`` names the
-  file so that such a study does not replace the main results).
+  file so that such a study does not replace the main results);
+* ``no_varcorr``: the library's defaults without the full batch's second moment for
+  Adam-family updates (``variance_correction=False``, the default before the thirty-seventh
+  session), for the ViT and the GPT decoder (AdamW).
 
 Recorded per run: held-out loss (and accuracy), the mean training loss of the last 20 steps,
 bytes sent per rank against dense, whether the replicas ended bitwise identical. Writes
@@ -49,6 +52,8 @@ def options(task, variant, steps):
         opts["exchange"] = "update"
     if variant == "update_mask":
         opts["momentum_masking"] = 0.5
+    if variant == "no_varcorr":  # the library's defaults before the thirty-seventh session
+        opts["variance_correction"] = False
     if variant == "gradient_warm":
         opts["density_warmup_steps"] = max(1, steps // 10)
     if variant == "tuned":
@@ -108,7 +113,7 @@ def main():
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--variants", nargs="+", default=["library", "tuned"],
                     choices=["library", "tuned", "gradient", "update", "update_mask",
-                             "gradient_warm"])
+                             "gradient_warm", "no_varcorr"])
     ap.add_argument("--out", default="unseen_models", help="results name (JSON and PNG)")
     args = ap.parse_args()
     rows = []

@@ -922,6 +922,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     (error feedback included) and averaged, so adaptive optimizers see dense gradients; their
     state is then per rank, ``p.grad`` stays the local gradient, and ``synchronize()`` only
     agrees across ranks on whether a gradient is non-finite (for loss scalers).
+    ``variance_correction`` (default ``None``: on where the updates of torch's Adam, AdamW,
+    NAdam or RAdam are exchanged): each rank's step uses an estimate of the full batch's
+    second moment instead of its own, which holds P times the gradient noise
+    (:mod:`hvd_sparse.variance_correction`; no communication, two gradient-sized buffers per
+    parameter; ``False`` steps on each rank's own).
     ``exchange="auto"`` (default) picks ``"update"`` for adaptive optimizers (Adam, AdamW,
     RMSprop, Adagrad, ... and their subclasses) and for SGD with momentum (each rank's velocity
     then sees its own dense gradient, as under DGC's momentum correction; updates beat

@@ -56,12 +56,19 @@ class VarianceCorrection:
         """Put the corrected second moment in place of each parameter's own for the coming
         step (``world``: the ranks whose steps are averaged)."""
         self._held = []
+        # a fused step under torch's GradScaler recipe unscales inside the step: the scale
+        # and the Inf flag are handed to it as attributes (an overflow skips the step)
+        scale = getattr(optimizer, "grad_scale", None)
+        found_inf = getattr(optimizer, "found_inf", None)
+        if found_inf is not None and float(found_inf) != 0:
+            return
+        inverse = None if scale is None else 1.0 / float(scale)
         with torch.no_grad():
             for i, (group, p) in enumerate(self._params(optimizer)):
                 g = p.grad
                 if g is None or g.is_sparse or p.is_complex():
                     continue
-                g = g.detach()
+                g = g.detach() if inverse is None else g.detach() * inverse
                 wd = group.get("weight_decay", 0) or 0
                 if wd and not isinstance(optimizer, torch.optim.AdamW) \
                         and not group.get("decoupled_weight_decay", False):

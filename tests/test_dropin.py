@@ -71,7 +71,8 @@ def test_broadcast_optimizer_state_mid_run_reunites_replicas(dropin):
         assert not r["midrun_broadcast_warned"]  # a broadcast is not a rank-0 checkpoint
 
 
-@pytest.mark.parametrize("prefix", ["amp", "amp_update", "amp_update_fused", "amp_torch",
+@pytest.mark.parametrize("prefix", ["amp", "amp_update", "amp_update_fused",
+                                    "amp_update_fused_torch", "amp_torch",
                                     "amp_torch_clip", "amp_horovod_clip", "amp_torch_fused",
                                     "amp_sgd_updates", "amp_sgd_updates_torch"])
 def test_gradscaler_sees_overflow_on_every_rank(dropin, prefix):
@@ -89,6 +90,16 @@ def test_gradscaler_sees_overflow_on_every_rank(dropin, prefix):
         assert r[f"{prefix}_stats_nonfinite"] >= 1
         assert r.get(f"{prefix}_exchange", "update") == "update"  # (SGD's: the library's choice)
     assert len({tuple(r[f"{prefix}_scales"]) for r in dropin}) == 1
+
+
+def test_a_fused_adamw_unscaling_inside_its_step_corrects_on_unscaled_gradients(dropin):
+    """Fused AdamW's updates under torch's recipe: the scaler hands the scale to the step,
+    which unscales inside; the second moment's correction reads the gradients unscaled too,
+    so the run ends where Horovod's pattern (unscale_ first) ends, to rounding (read scaled,
+    the pre-image put in for the step went negative)."""
+    for r in dropin:
+        a, b = r["amp_update_fused_torch_params"], r["amp_update_fused_params"]
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
 
 
 @pytest.mark.parametrize("torch_recipe, horovod_recipe", [("amp_torch", "amp"),

@@ -195,6 +195,12 @@ def scenario_gradscaler(res):
     amp_run(res, "amp_update_fused",
             make(m, torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
                  exchange="update"), m)
+    # and under torch's recipe, where the fused step unscales inside (the scale handed to it):
+    # the full batch's second moment is estimated from the unscaled gradients
+    m = model()
+    amp_run(res, "amp_update_fused_torch",
+            make(m, torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
+                 exchange="update"), m, recipe="torch")
     # torch's own recipes, no synchronize() first: the scaler's unscale finishes the exchange
     m = model()
     amp_run(res, "amp_torch", make(m), m, recipe="torch")
