@@ -198,14 +198,17 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         """Zero gradients for parameters without one, as Horovod's ``synchronize`` makes them
         (another rank may have computed it; weight decay still applies)."""
         seen_sparse = self._hs_engine.sparse_gradients
+        filled = set()
         for p in self._requires_update:
             if p.grad is None:
                 # sparse where this rank has had it sparse (an embedding left out of this
                 # step): SparseAdam refused the dense zeros
                 p.grad = torch.zeros_like(p).to_sparse() if id(p) in seen_sparse \
                     else torch.zeros_like(p)
+                filled.add(p)
             elif p.grad.is_sparse:
                 seen_sparse.add(id(p))
+        return filled
 
     def _hs_zero_frozen_grads(self):
         """A parameter frozen after wrapping (``requires_grad_(False)``) still takes part in
@@ -349,8 +352,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if self._hs_engine.config.exchanges_updates:
             # the exchange is of the update, in step(); gradients stay this rank's own. What
             # must agree is whether any rank's gradient is non-finite, so that a loss scaler
-            # (unscale_ after synchronize) skips the step on every rank alike
+            # (unscale_ after synchronize) skips the step on every rank alike; after the
+            # agreement (a rank whose configuration differs would meet the vote with it)
             try:
+                self._hs_engine.ensure_agreed()
                 self._hs_engine.agree_gradients_finite()
             finally:
                 self._hs_reset_round()
@@ -486,8 +491,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         engine = self._hs_engine
         engine.ensure_anchors()
         engine.follow_outside_changes()
+        filled = ()
         if self._hs_transport.included():
-            self._hs_fill_missing_grads()
+            filled = self._hs_fill_missing_grads()
             self._hs_check_unexchanged()
         if engine.config.local_clip_norm is not None:
             engine.clip_gradients()
@@ -496,13 +502,18 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if not skip_local and engine.local_step_finite():
             hooks = _StepHooks(self, self._hs_base.step, closure)
             corrected = self._hs_variance is not None and engine.config.exchanges_updates
-            if corrected:  # the full batch's second moment for this step
-                self._hs_variance.before(self, engine.transport.size())
+            stepped = False
             try:
+                if corrected:  # the full batch's second moment for this step (a rank outside
+                    # the process set steps alone)
+                    self._hs_variance.before(
+                        self, engine.transport.size() if self._hs_transport.included() else 1,
+                        skip=filled)
                 result = hooks.run()
+                stepped = True
             finally:
                 if corrected:
-                    self._hs_variance.after()
+                    self._hs_variance.after(stepped)
         self._hs_reset_round()
         if engine.local_step_done() and self._hs_transport.included():
             try:
@@ -572,9 +583,12 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         ``dense_only``. The wrapped optimizer's state is the root's after
         ``broadcast_optimizer_state`` (Horovod's, or an elastic state's sync)."""
         engine = self._hs_engine
+        kind = engine.config.exchange
         engine.config = dataclasses.replace(
             engine.config, **{k: switch[k] for k in engine.switchable if k in switch})
         engine.dense_only = bool(switch.get("dense_only", False))
+        if self._hs_variance is not None and engine.config.exchange != kind:
+            self._hs_variance.load_state_dict(None)  # (its last gradient is from before)
 
     def _hs_agreement_pending(self) -> bool:
         """Is the agreement due where it may switch what is exchanged? Then no bucket

@@ -25,9 +25,43 @@ Applies to torch's Adam, AdamW, NAdam and RAdam (an ``exp_avg_sq`` updated as
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
+
+try:  # one fused pass on the CPU where numba is there (the torch form makes ~20)
+    from numba import njit
+
+    @njit(cache=True)
+    def _fused(g, last, noise, v, keep, beta2, excess, world, correct):  # pragma: no cover
+        """Noise estimate updated and ``last`` set to ``g``; where ``correct``, ``v`` <- the
+        pre-image of the corrected moment and ``keep`` <- ``v - pre`` (see ``_correct``)."""
+        half = (1.0 - beta2) * 0.5
+        for j in range(g.size):
+            gj = g[j]
+            d = gj - last[j]
+            nz = beta2 * noise[j] + half * d * d
+            noise[j] = nz
+            last[j] = gj
+            if correct:
+                vj = v[j]
+                fresh = (1.0 - beta2) * gj * gj
+                own = beta2 * vj + fresh
+                t = own - excess * nz
+                floor = own / world
+                if t < floor:
+                    t = floor
+                if t < fresh:
+                    t = fresh
+                pre = (t - fresh) / beta2
+                if pre < 0.0:
+                    pre = 0.0
+                keep[j] = vj - pre
+                v[j] = pre
+
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover - depends on the installation
+    HAVE_NUMBA = False
 
 #: the classes whose second moment is updated as described above
 CORRECTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam)
@@ -46,15 +80,18 @@ class VarianceCorrection:
         self.last: Dict[int, torch.Tensor] = {}  # parameter index -> last gradient
         self.noise: Dict[int, torch.Tensor] = {}  # parameter index -> averaged noise estimate
         self.count: Dict[int, int] = {}  # parameter index -> differences averaged
-        self._held: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
+        self._keep: Dict[int, torch.Tensor] = {}  # the fused pass's v - pre, reused
+        self._held: List[tuple] = []
 
     @staticmethod
     def _params(optimizer):
         return [(g, p) for g in optimizer.param_groups for p in g["params"]]
 
-    def before(self, optimizer, world: int) -> None:
+    def before(self, optimizer, world: int, skip=frozenset()) -> None:
         """Put the corrected second moment in place of each parameter's own for the coming
-        step (``world``: the ranks whose steps are averaged)."""
+        step (``world``: the ranks whose steps are averaged; ``skip``: parameters whose
+        gradient is a stand-in this step, the zeros given to one that had none, which is no
+        sample of its noise)."""
         self._held = []
         # a fused step under torch's GradScaler recipe unscales inside the step: the scale
         # and the Inf flag are handed to it as attributes (an overflow skips the step)
@@ -66,9 +103,19 @@ class VarianceCorrection:
         with torch.no_grad():
             for i, (group, p) in enumerate(self._params(optimizer)):
                 g = p.grad
-                if g is None or g.is_sparse or p.is_complex():
+                if g is None or g.is_sparse or p.is_complex() or p in skip:
                     continue
-                g = g.detach() if inverse is None else g.detach() * inverse
+                coupled = bool(group.get("weight_decay", 0)) and not isinstance(
+                    optimizer, torch.optim.AdamW) and not group.get("decoupled_weight_decay",
+                                                                    False)
+                if inverse is None and not coupled and not group.get("maximize", False) \
+                        and self._fused_step(i, group, p, optimizer.state.get(p, {}), world):
+                    continue
+                g = g.detach().to(torch.promote_types(g.dtype, torch.float32))
+                if inverse is not None:
+                    g = g * inverse
+                if group.get("maximize", False):
+                    g = -g
                 wd = group.get("weight_decay", 0) or 0
                 if wd and not isinstance(optimizer, torch.optim.AdamW) \
                         and not group.get("decoupled_weight_decay", False):
@@ -80,35 +127,83 @@ class VarianceCorrection:
                     continue
                 self._correct(i, g, v, group["betas"][1], float(st["step"]) + 1, world)
 
+    def _fused_step(self, i, group, p, st, world) -> bool:
+        """The noise update and the correction in one numba pass, where the gradient is
+        Adam's own input as it lies (the caller checked: no scale, no coupled decay, no
+        ``maximize``; here: a contiguous float32/float64 CPU tensor) and the state is there
+        (else False: the torch form)."""
+        g, v, last = p.grad, st.get("exp_avg_sq"), self.last.get(i)
+        if not HAVE_NUMBA or g.device.type != "cpu" \
+                or g.dtype not in (torch.float32, torch.float64) or not g.is_contiguous() \
+                or last is None or last.dtype != g.dtype or last.shape != g.shape \
+                or last.device != g.device or v is None or v.dtype != g.dtype \
+                or not v.is_contiguous() or "step" not in st:
+            return False
+        beta2 = group["betas"][1]
+        noise = self.noise.get(i)
+        if noise is None or noise.shape != g.shape or noise.dtype != g.dtype \
+                or noise.device != g.device:
+            noise = self.noise[i] = torch.zeros_like(g) if noise is None \
+                or noise.shape != g.shape else noise.to(device=g.device, dtype=g.dtype)
+        count = self.count.get(i, 0) + 1
+        self.count[i] = count
+        correct = world >= 2
+        keep = self._keep.get(i)
+        if correct and (keep is None or keep.shape != g.shape or keep.dtype != g.dtype):
+            keep = self._keep[i] = torch.empty_like(g)
+        step = float(st["step"]) + 1
+        excess = (1 - 1 / world) * (1 - beta2 ** step) / (1 - beta2 ** count)
+        flat = lambda t: t.detach().reshape(-1).numpy()  # noqa: E731 - (views)
+        _fused(flat(g), flat(last), flat(noise), flat(v), flat(keep if correct else g),
+               float(beta2), float(excess), float(world), correct)
+        if correct:
+            self._held.append((v, keep, beta2))
+        return True
+
     def _note(self, i: int, g: torch.Tensor, beta2: float) -> None:
+        """Fold this step's gradient (float32 or wider) into the noise estimate."""
         last = self.last.get(i)
-        if last is not None and last.shape == g.shape:
-            diff = (g - last).to(torch.promote_types(g.dtype, torch.float32))
-            est = self.noise.get(i)
-            if est is None:
-                est = self.noise[i] = torch.zeros_like(diff)
-            est.mul_(beta2).addcmul_(diff, diff, value=(1 - beta2) / 2)
-            self.count[i] = self.count.get(i, 0) + 1
-            last.copy_(g)
-        else:
+        if last is not None and (last.shape != g.shape or last.device != g.device):
+            last = self.last[i] = last.to(g.device) if last.shape == g.shape else None
+        if last is None:
             self.last[i] = g.clone()
+            return
+        diff = g - last
+        est = self.noise.get(i)
+        if est is None or est.shape != g.shape:
+            est = self.noise[i] = torch.zeros_like(diff)
+        elif est.device != g.device:  # (a state loaded onto the CPU)
+            est = self.noise[i] = est.to(g.device)
+        est.mul_(beta2).addcmul_(diff, diff, value=(1 - beta2) / 2)
+        self.count[i] = self.count.get(i, 0) + 1
+        last.copy_(g)
 
     def _correct(self, i, g, v, beta2: float, step: float, world: int) -> None:
-        """``v`` <- the pre-image of the corrected second moment under Adam's update."""
-        own = v.mul(beta2).addcmul_(g, g, value=1 - beta2)  # this step's own v, raw
+        """``v`` <- the pre-image of the corrected second moment under Adam's update, in
+        float32 (fp16's square of a gradient above 256 is Inf); what it takes to give the
+        rank's own back is kept."""
+        own = v.to(g.dtype, copy=True).mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        fresh = g * g * (1 - beta2)  # this step's own term
         scale = (1 - beta2 ** step) / (1 - beta2 ** self.count[i])  # d bias-corrected, in v's
-        excess = self.noise[i].to(v.dtype) * ((1 - 1 / world) * scale)  # (not in place:
-        # .to() of the same dtype is the estimate itself)
-        target = torch.maximum(own - excess, own / world)
-        target = torch.maximum(target, g * g * (1 - beta2))
-        self._held.append((v, own, target, beta2))
-        v.copy_(target.sub_(g * g * (1 - beta2)).div_(beta2))
+        target = own - self.noise[i] * ((1 - 1 / world) * scale)
+        torch.maximum(target, own.div_(world), out=target)
+        torch.maximum(target, fresh, out=target)
+        pre = target.sub_(fresh).div_(beta2).clamp_(min=0)
+        # after the step v is beta2 * pre + (1 - beta2) * g_used^2, the rank's own would be
+        # beta2 * v + (1 - beta2) * g_used^2: the difference is beta2 * (v - pre), whatever
+        # gradient the step used (a step pre-hook may have clipped it)
+        keep = v.to(g.dtype) - pre
+        v.copy_(pre)
+        self._held.append((v, keep, beta2))
 
-    def after(self) -> None:
+    def after(self, stepped: bool = True) -> None:
         """Each parameter's own second moment back in Adam's state (the corrected one was
-        for the step only)."""
-        for v, own, _, _ in self._held:
-            v.copy_(own)
+        for the step only). ``stepped=False``: the step raised, taken as not having run."""
+        for v, keep, beta2 in self._held:
+            if v.dtype == keep.dtype:
+                v.add_(keep, alpha=beta2 if stepped else 1.0)
+            else:
+                v.copy_(v.to(keep.dtype).add_(keep, alpha=beta2 if stepped else 1.0))
         self._held = []
 
     def state_dict(self) -> dict:

@@ -217,6 +217,11 @@ def test_adams_switch_to_horovods_step_is_taken_from_rank_0_at_a_resume(dropin):
                 assert r[f"{key}_kinds"] == ["gradient"] + ["update"] * 4, (key, r)
 
 
+def test_a_switchable_rank_beside_explicit_updates_is_a_configuration_mismatch(dropin):
+    for r in dropin:
+        assert r["switchable_beside_explicit_error"] == "ConfigMismatchError"
+
+
 def test_sgd_momentum_keeps_its_updates_once_every_bucket_goes_dense(dropin):
     for r in dropin:
         assert r["sgd_dense_kinds"] == ["update"] * 7

@@ -20,7 +20,7 @@ def _grads(steps, shape=(5, 3), seed=0):
 
 
 def _reference(p0, grads, world, lr=0.01, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
-               decoupled=True):
+               decoupled=True, maximize=False):
     """Adam(W) written out, stepping on the corrected second moment."""
     b1, b2 = betas
     p = p0.clone()
@@ -29,6 +29,8 @@ def _reference(p0, grads, world, lr=0.01, betas=(0.9, 0.999), eps=1e-8, wd=0.0,
     d = torch.zeros_like(p)
     n, last = 0, None
     for t, g in enumerate(grads, 1):
+        if maximize:
+            g = -g
         if decoupled:
             p = p * (1 - lr * wd)
         else:
@@ -60,9 +62,19 @@ def _run(make, grads, world, p0):
     return p.detach(), opt.state[p]["exp_avg_sq"]
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind", ["adamw", "adam_l2", "adam_plain"])
-def test_the_step_uses_the_corrected_second_moment_and_keeps_adams_own(world, kind):
+@pytest.mark.parametrize("kind", ["adamw", "adam_l2", "adam_plain", "adam_l2_maximize"])
+def test_the_step_uses_the_corrected_second_moment_and_keeps_adams_own(world, kind, fused,
+                                                                     monkeypatch):
+    """Both forms: numba's one pass (where it applies: no coupled decay, no maximize) and
+    torch's."""
+    from hvd_sparse import variance_correction
+
+    if not fused:
+        monkeypatch.setattr(variance_correction, "HAVE_NUMBA", False)
+    elif not variance_correction.HAVE_NUMBA:
+        pytest.skip("numba is not installed (the optional 'fast' extra)")
     grads = _grads(40)
     p0 = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     if kind == "adamw":
@@ -71,6 +83,10 @@ def test_the_step_uses_the_corrected_second_moment_and_keeps_adams_own(world, ki
     elif kind == "adam_l2":  # Adam squares the gradient plus the decay term
         make, ref = (lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.05)), \
             dict(wd=0.05, decoupled=False)
+    elif kind == "adam_l2_maximize":  # the gradient negated before the decay term
+        make, ref = (lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.05,
+                                                 maximize=True)), \
+            dict(wd=0.05, decoupled=False, maximize=True)
     else:
         make, ref = (lambda ps: torch.optim.Adam(ps, lr=0.01)), {}
     got, v = _run(make, grads, world, p0)
@@ -113,6 +129,60 @@ def test_the_estimate_is_the_full_batchs_second_moment(world):
     own = opt.state[p]["exp_avg_sq"] / (1 - 0.999 ** 3000)
     assert abs(float(own.mean()) - 1.25) < 0.03
     assert abs(float(seen[0].mean()) - (0.25 + 1 / world)) < 0.03
+
+
+def test_the_rank_keeps_its_own_second_moment_for_the_gradient_the_step_used():
+    """A step pre-hook that clips the gradient after the correction was put in: Adam's
+    state afterwards is the rank's own for the clipped gradient, as without the correction;
+    a step that raises gives the state back as it was."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(50, dtype=torch.float64))
+    opt = torch.optim.Adam([p], lr=0.01)
+    corr = VarianceCorrection()
+    for t in range(20):
+        p.grad = torch.randn(50, generator=g, dtype=torch.float64)
+        v0 = opt.state[p]["exp_avg_sq"].clone() if p in opt.state else None
+        corr.before(opt, 2)
+        p.grad.clamp_(-0.5, 0.5)  # (a pre-hook's clip)
+        opt.step()
+        corr.after()
+        if v0 is not None:
+            want = 0.999 * v0 + 0.001 * p.grad * p.grad
+            assert torch.allclose(opt.state[p]["exp_avg_sq"], want, rtol=1e-12, atol=1e-18)
+    v0 = opt.state[p]["exp_avg_sq"].clone()
+    p.grad = torch.randn(50, generator=g, dtype=torch.float64)
+    corr.before(opt, 2)
+    assert not torch.equal(opt.state[p]["exp_avg_sq"], v0)  # (the corrected one is in)
+    corr.after(stepped=False)
+    assert torch.allclose(opt.state[p]["exp_avg_sq"], v0, rtol=1e-12, atol=1e-18)
+
+
+def test_a_stand_in_zero_gradient_is_no_sample_of_the_noise():
+    """A parameter without a gradient this step gets zeros from the facade: skipped, the
+    estimate keeps counting real gradients only."""
+    p = torch.nn.Parameter(torch.zeros(10))
+    opt = torch.optim.Adam([p], lr=0.01)
+    corr = VarianceCorrection()
+    for t in range(6):
+        p.grad = torch.zeros(10) if t % 2 else torch.ones(10)
+        corr.before(opt, 2, skip={p} if t % 2 else frozenset())
+        opt.step()
+        corr.after()
+    assert corr.count == {0: 2}  # three real gradients, two differences
+    assert float(corr.noise[0].abs().max()) == 0.0  # (equal real gradients: no noise)
+
+
+def test_half_precision_parameters_with_large_gradients_stay_finite():
+    p = torch.nn.Parameter(torch.zeros(64, dtype=torch.float16))
+    opt = torch.optim.Adam([p], lr=1e-3, eps=1e-4)
+    corr = VarianceCorrection()
+    g = torch.Generator().manual_seed(0)
+    for t in range(10):
+        p.grad = (torch.randn(64, generator=g) * 1000).half()
+        corr.before(opt, 4)
+        opt.step()
+        corr.after()
+    assert torch.isfinite(p).all() and torch.isfinite(opt.state[p]["exp_avg_sq"]).all()
 
 
 def test_amsgrad_and_a_pre_hook_that_shrinks_gradients_stay_finite():

@@ -705,6 +705,30 @@ def scenario_adam_switch_resumed_on_rank0(res):
         costmodel.dense_time = real
 
 
+def scenario_switchable_beside_explicit_updates(res):
+    """Rank 0 lets the library choose Adam's exchange (updates, with the all-dense switch
+    agreed as replicated state), the others name exchange="update": a configuration
+    mismatch, said on every rank at the first exchange, also under Horovod's AMP pattern,
+    whose synchronize() comes first (the explicit ranks' Inf vote met the others'
+    agreement there, and the job hung)."""
+    m = model()
+    kw = {} if hvd.rank() == 0 else {"exchange": "update"}
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01),
+                                   named_parameters=m.named_parameters(), density=0.1,
+                                   min_sparse_numel=0, cost_model="off", **kw)
+    error = None
+    try:
+        x, y = batch(0)
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opt.synchronize()
+        with opt.skip_synchronize():
+            opt.step()
+    except Exception as exc:  # noqa: BLE001 - the type is what is checked
+        error = type(exc).__name__
+    res["switchable_beside_explicit_error"] = error
+
+
 def scenario_update_exchange(res):
     """exchange="update" with AdamW: replicas stay bitwise identical, optimizer state per rank."""
     m = model()
@@ -1323,7 +1347,7 @@ def scenario_two_optimizers_in_rank_order(res):
 
 
 SCENARIOS = [scenario_update_exchange, scenario_adam_all_dense_takes_horovods_step,
-             scenario_adam_switch_resumed_on_rank0,
+             scenario_adam_switch_resumed_on_rank0, scenario_switchable_beside_explicit_updates,
              scenario_sgd_momentum_all_dense_keeps_its_updates,
              scenario_step_hooks, scenario_gradient_hooks_after_wrapping,
              scenario_resume_from_rank0, scenario_broadcast_mid_run, scenario_gradscaler,
