@@ -781,10 +781,12 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         extra = state_dict.pop(STATE_KEY, None)
         variance = None
         if extra is not None:  # refused before anything is loaded, not half way
-            extra = dict(extra)
-            variance = extra.pop("variance", None)
+            if isinstance(extra, dict):  # (checked_state says what else it should be)
+                extra = dict(extra)
+                variance = extra.pop("variance", None)
             t = self._hs_transport
-            if extra.get("rank") != t.rank() or extra.get("world_size") != t.size():
+            if isinstance(extra, dict) and (extra.get("rank") != t.rank()
+                                            or extra.get("world_size") != t.size()):
                 variance = None  # another rank's noise estimates: this rank starts its own
             extra = self._hs_engine.checked_state(extra)
         self._hs_reset_round()
@@ -939,8 +941,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     ``variance_correction`` (default ``None``: on where the updates of torch's Adam, AdamW,
     NAdam or RAdam are exchanged): each rank's step uses an estimate of the full batch's
     second moment instead of its own, which holds P times the gradient noise
-    (:mod:`hvd_sparse.variance_correction`; no communication, two gradient-sized buffers per
-    parameter; ``False`` steps on each rank's own).
+    (:mod:`hvd_sparse.variance_correction`; no communication, two or three gradient-sized
+    buffers per parameter; ``False`` steps on each rank's own).
     ``exchange="auto"`` (default) picks ``"update"`` for adaptive optimizers (Adam, AdamW,
     RMSprop, Adagrad, ... and their subclasses) and for SGD with momentum (each rank's velocity
     then sees its own dense gradient, as under DGC's momentum correction; updates beat

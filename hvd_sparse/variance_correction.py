@@ -67,6 +67,21 @@ except ImportError:  # pragma: no cover - depends on the installation
 CORRECTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam)
 
 
+def _block(t: torch.Tensor):
+    """The memory of a tensor that fills a block without gaps or overlap (row-major,
+    channels_last, a transposed matrix), as a flat numpy view, else None. Elementwise passes
+    over tensors of the same strides pair the same logical entries there, so a parameter's
+    layout does not change the bits."""
+    t = t.detach()
+    order = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in order:
+        if stride != expected:
+            return None
+        expected *= size
+    return t.as_strided((t.numel(),), (1,)).numpy()
+
+
 def corrects(optimizer) -> bool:
     """Is ``optimizer`` of a class whose second moment this corrects?"""
     return isinstance(optimizer, CORRECTED)
@@ -134,28 +149,31 @@ class VarianceCorrection:
         (else False: the torch form)."""
         g, v, last = p.grad, st.get("exp_avg_sq"), self.last.get(i)
         if not HAVE_NUMBA or g.device.type != "cpu" \
-                or g.dtype not in (torch.float32, torch.float64) or not g.is_contiguous() \
-                or last is None or last.dtype != g.dtype or last.shape != g.shape \
+                or g.dtype not in (torch.float32, torch.float64) or _block(g) is None \
+                or last is None or last.dtype != g.dtype or last.stride() != g.stride() \
                 or last.device != g.device or v is None or v.dtype != g.dtype \
-                or not v.is_contiguous() or "step" not in st:
+                or v.stride() != g.stride() or last.shape != g.shape or "step" not in st:
             return False
         beta2 = group["betas"][1]
         noise = self.noise.get(i)
         if noise is None or noise.shape != g.shape or noise.dtype != g.dtype \
-                or noise.device != g.device:
-            noise = self.noise[i] = torch.zeros_like(g) if noise is None \
-                or noise.shape != g.shape else noise.to(device=g.device, dtype=g.dtype)
+                or noise.device != g.device or noise.stride() != g.stride():
+            fresh = torch.zeros_like(g)  # (g's layout: one elementwise pass over each block)
+            if noise is not None and noise.shape == g.shape:
+                fresh.copy_(noise)
+            noise = self.noise[i] = fresh
         count = self.count.get(i, 0) + 1
         self.count[i] = count
         correct = world >= 2
         keep = self._keep.get(i)
-        if correct and (keep is None or keep.shape != g.shape or keep.dtype != g.dtype):
+        if correct and (keep is None or keep.shape != g.shape or keep.dtype != g.dtype
+                        or keep.stride() != g.stride()):
             keep = self._keep[i] = torch.empty_like(g)
         step = float(st["step"]) + 1
         excess = (1 - 1 / world) * (1 - beta2 ** step) / (1 - beta2 ** count)
-        flat = lambda t: t.detach().reshape(-1).numpy()  # noqa: E731 - (views)
-        _fused(flat(g), flat(last), flat(noise), flat(v), flat(keep if correct else g),
-               float(beta2), float(excess), float(world), correct)
+        _fused(_block(g), _block(last), _block(noise), _block(v),
+               _block(keep if correct else g), float(beta2), float(excess), float(world),
+               correct)
         if correct:
             self._held.append((v, keep, beta2))
         return True
