@@ -79,3 +79,25 @@ def one_bucket_per_tensor(monkeypatch):
     tests that read a bucket by its tensor's name or count buckets; the ranks launched from
     the test inherit it."""
     monkeypatch.setenv("HVD_SPARSE_PACK_BELOW", "0")
+
+
+def echo_transport():
+    """A transport of two ranks that send the same bytes (every rank's payload echoed), for
+    single-process tests of multi-rank paths (the calibration, an averaged update that is
+    each rank's own). Like Horovod, it is taken to fuse allreduces started together."""
+    import torch
+    from hvd_sparse.transport import LocalTransport
+
+    class EchoTransport(LocalTransport):
+        fuses_allreduces = True
+
+        def size(self):
+            return 2
+
+        def allgather_async(self, payload, name):
+            return torch.cat([payload, payload])
+
+        def allreduce_async(self, tensor, name, *, average, prescale=1.0, postscale=1.0):
+            return tensor
+
+    return EchoTransport

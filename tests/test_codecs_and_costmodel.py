@@ -6,6 +6,8 @@ import hvd_sparse
 from hvd_sparse import costmodel
 from hvd_sparse.transport import LocalTransport, MPITransport, make_transport
 
+from conftest import echo_transport
+
 
 @pytest.mark.parametrize("vdtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_value_dtype_on_the_wire_keeps_rounding_in_the_residual(vdtype):
@@ -71,20 +73,7 @@ def test_wrapping_before_hvd_init_under_horovodrun_gloo_is_refused():
     assert "Horovod has not been initialized; use hvd.init()" in proc.stderr
 
 
-class _EchoTransport(LocalTransport):
-    """Two ranks that send the same bytes: enough to run the engine's calibration path. Like
-    Horovod, it is taken to fuse allreduces started together."""
-
-    fuses_allreduces = True
-
-    def size(self):
-        return 2
-
-    def allgather_async(self, payload, name):
-        return torch.cat([payload, payload])
-
-    def allreduce_async(self, tensor, name, *, average, prescale=1.0, postscale=1.0):
-        return tensor
+_EchoTransport = echo_transport()  # two ranks that send the same bytes
 
 
 def _echo_optimizer(m, **options):

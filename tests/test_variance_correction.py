@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import hvd_sparse
-from hvd_sparse.transport import LocalTransport
 from hvd_sparse.variance_correction import VarianceCorrection
+
+from conftest import echo_transport
 
 
 def _grads(steps, shape=(5, 3), seed=0):
@@ -202,19 +203,8 @@ def test_amsgrad_and_a_pre_hook_that_shrinks_gradients_stay_finite():
     assert (opt.state[p]["exp_avg_sq"] >= 0).all()
 
 
-class _Echo(LocalTransport):
-    """Two ranks that hold the same gradients: the averaged update is each rank's own."""
-
-    fuses_allreduces = True
-
-    def size(self):
-        return 2
-
-    def allgather_async(self, payload, name):
-        return torch.cat([payload, payload])
-
-    def allreduce_async(self, tensor, name, *, average, prescale=1.0, postscale=1.0):
-        return tensor
+_Echo = echo_transport()  # two ranks holding the same gradients: each averaged update
+# is the rank's own
 
 
 def _wrapped(m, base, **kw):
