@@ -120,23 +120,22 @@ class VarianceCorrection:
                 g = p.grad
                 if g is None or g.is_sparse or p.is_complex() or p in skip:
                     continue
-                coupled = bool(group.get("weight_decay", 0)) and not isinstance(
-                    optimizer, torch.optim.AdamW) and not group.get("decoupled_weight_decay",
-                                                                    False)
-                if inverse is None and not coupled and not group.get("maximize", False) \
-                        and self._fused_step(i, group, p, optimizer.state.get(p, {}), world):
+                st = optimizer.state.get(p, {})
+                wd = group.get("weight_decay", 0) or 0
+                coupled = bool(wd) and not isinstance(optimizer, torch.optim.AdamW) \
+                    and not group.get("decoupled_weight_decay", False)
+                maximize = group.get("maximize", False)
+                if inverse is None and not coupled and not maximize \
+                        and self._fused_step(i, group, p, st, world):
                     continue
                 g = g.detach().to(torch.promote_types(g.dtype, torch.float32))
                 if inverse is not None:
                     g = g * inverse
-                if group.get("maximize", False):
+                if maximize:
                     g = -g
-                wd = group.get("weight_decay", 0) or 0
-                if wd and not isinstance(optimizer, torch.optim.AdamW) \
-                        and not group.get("decoupled_weight_decay", False):
+                if coupled:
                     g = g.add(p.detach(), alpha=wd)  # what Adam's own update squares
                 self._note(i, g, group["betas"][1])
-                st = optimizer.state.get(p, {})
                 v = st.get("exp_avg_sq")
                 if world < 2 or v is None or self.count.get(i, 0) == 0 or "step" not in st:
                     continue
@@ -145,8 +144,8 @@ class VarianceCorrection:
     def _fused_step(self, i, group, p, st, world) -> bool:
         """The noise update and the correction in one numba pass, where the gradient is
         Adam's own input as it lies (the caller checked: no scale, no coupled decay, no
-        ``maximize``; here: a contiguous float32/float64 CPU tensor) and the state is there
-        (else False: the torch form)."""
+        ``maximize``; here: a float32/float64 CPU tensor without gaps, its state in the same
+        layout) and the state is there (else False: the torch form)."""
         g, v, last = p.grad, st.get("exp_avg_sq"), self.last.get(i)
         if not HAVE_NUMBA or g.device.type != "cpu" \
                 or g.dtype not in (torch.float32, torch.float64) or _block(g) is None \
