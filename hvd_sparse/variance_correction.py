@@ -20,6 +20,9 @@ contribution, would give). Adam's state keeps its own ``v``: the corrected value
 for the step (as the pre-image of Adam's update, so that Adam's own arithmetic lands on it) and
 the rank's ``v`` put back after it.
 
+On the CPU one numba pass does it; elsewhere (GPUs) torch's multi-tensor ops, a few kernels
+a step for all parameters of one device and dtype.
+
 Applies to torch's Adam, AdamW, NAdam and RAdam (an ``exp_avg_sq`` updated as
 ``beta2 * v + (1 - beta2) * g^2``), their subclasses, dense real gradients.
 """
@@ -115,6 +118,7 @@ class VarianceCorrection:
         if found_inf is not None and float(found_inf) != 0:
             return
         inverse = None if scale is None else 1.0 / float(scale)
+        pending = []  # (index, gradient, v or None, beta2, Adam's step count or None)
         with torch.no_grad():
             for i, (group, p) in enumerate(self._params(optimizer)):
                 g = p.grad
@@ -135,11 +139,13 @@ class VarianceCorrection:
                     g = -g
                 if coupled:
                     g = g.add(p.detach(), alpha=wd)  # what Adam's own update squares
-                self._note(i, g, group["betas"][1])
-                v = st.get("exp_avg_sq")
-                if world < 2 or v is None or self.count.get(i, 0) == 0 or "step" not in st:
+                if not self._seen(i, g):  # the first gradient: no difference yet
                     continue
-                self._correct(i, g, v, group["betas"][1], float(st["step"]) + 1, world)
+                v = st.get("exp_avg_sq")
+                step = float(st["step"]) + 1 if v is not None and "step" in st else None
+                pending.append((i, g, v, group["betas"][1], step))
+            if pending:
+                self._torch_form(pending, world)
 
     def _fused_step(self, i, group, p, st, world) -> bool:
         """The noise update and the correction in one numba pass, where the gradient is
@@ -177,49 +183,92 @@ class VarianceCorrection:
             self._held.append((v, keep, beta2))
         return True
 
-    def _note(self, i: int, g: torch.Tensor, beta2: float) -> None:
-        """Fold this step's gradient (float32 or wider) into the noise estimate."""
+    def _seen(self, i: int, g: torch.Tensor) -> bool:
+        """Is there a last gradient to difference ``g`` against (moved to ``g``'s device if
+        a state was loaded elsewhere)? If not, ``g`` becomes it."""
         last = self.last.get(i)
-        if last is not None and (last.shape != g.shape or last.device != g.device):
-            last = self.last[i] = last.to(g.device) if last.shape == g.shape else None
-        if last is None:
-            self.last[i] = g.clone()
-            return
-        diff = g - last
+        if last is not None and last.shape == g.shape:
+            if last.device != g.device or last.dtype != g.dtype:
+                self.last[i] = last.to(device=g.device, dtype=g.dtype)
+            return True
+        self.last[i] = g.clone()
+        return False
+
+    def _noise_of(self, i: int, g: torch.Tensor) -> torch.Tensor:
         est = self.noise.get(i)
         if est is None or est.shape != g.shape:
-            est = self.noise[i] = torch.zeros_like(diff)
-        elif est.device != g.device:  # (a state loaded onto the CPU)
-            est = self.noise[i] = est.to(g.device)
-        est.mul_(beta2).addcmul_(diff, diff, value=(1 - beta2) / 2)
-        self.count[i] = self.count.get(i, 0) + 1
-        last.copy_(g)
+            est = self.noise[i] = torch.zeros_like(g)
+        elif est.device != g.device or est.dtype != g.dtype:  # (a state loaded elsewhere)
+            est = self.noise[i] = est.to(device=g.device, dtype=g.dtype)
+        return est
 
-    def _correct(self, i, g, v, beta2: float, step: float, world: int) -> None:
-        """``v`` <- the pre-image of the corrected second moment under Adam's update, in
-        float32 (fp16's square of a gradient above 256 is Inf); what it takes to give the
-        rank's own back is kept."""
-        own = v.to(g.dtype, copy=True).mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        fresh = g * g * (1 - beta2)  # this step's own term
-        scale = (1 - beta2 ** step) / (1 - beta2 ** self.count[i])  # d bias-corrected, in v's
-        target = own - self.noise[i] * ((1 - 1 / world) * scale)
-        torch.maximum(target, own.div_(world), out=target)
-        torch.maximum(target, fresh, out=target)
-        pre = target.sub_(fresh).div_(beta2).clamp_(min=0)
+    def _torch_form(self, pending, world: int) -> None:
+        """The numba pass's arithmetic with torch's multi-tensor ops, over the parameters of
+        one device and dtype at a time (GPUs; coupled decay, ``maximize``, a loss scale):
+        a few kernels a step, not twenty per parameter. Gradients are float32 or wider
+        (fp16's square of a gradient above 256 is Inf)."""
+        by_kind = {}
+        for entry in pending:
+            by_kind.setdefault((entry[1].device, entry[1].dtype), []).append(entry)
+        for entries in by_kind.values():
+            index = [e[0] for e in entries]
+            grads = [e[1] for e in entries]
+            betas = [e[3] for e in entries]
+            lasts = [self.last[i] for i in index]
+            noises = [self._noise_of(i, g) for i, g in zip(index, grads)]
+            diffs = torch._foreach_sub(grads, lasts)
+            torch._foreach_mul_(noises, betas)
+            torch._foreach_addcmul_(noises, diffs, diffs, [(1 - b) / 2 for b in betas])
+            torch._foreach_copy_(lasts, grads)
+            for i in index:
+                self.count[i] = self.count.get(i, 0) + 1
+            todo = [e for e in entries if world >= 2 and e[2] is not None and e[4] is not None]
+            if todo:
+                self._correct(todo, world)
+
+    def _correct(self, todo, world: int) -> None:
+        """Each ``v`` <- the pre-image of its corrected second moment under Adam's update;
+        what it takes to give the rank's own back is kept."""
+        index = [e[0] for e in todo]
+        grads = [e[1] for e in todo]
+        vs = [e[2] for e in todo]
+        betas = [e[3] for e in todo]
+        wide = [v if v.dtype == g.dtype else v.to(g.dtype) for v, g in zip(vs, grads)]
+        own = torch._foreach_mul(wide, betas)  # this step's own v, raw
+        torch._foreach_addcmul_(own, grads, grads, [1 - b for b in betas])
+        fresh = torch._foreach_mul(grads, grads)  # this step's own term
+        torch._foreach_mul_(fresh, [1 - b for b in betas])
+        # d bias-corrected, in v's units (Adam's own step count against the differences')
+        coef = [-(1 - 1 / world) * (1 - b ** e[4]) / (1 - b ** self.count[i])
+                for b, e, i in zip(betas, todo, index)]
+        target = torch._foreach_mul([self.noise[i] for i in index], coef)
+        torch._foreach_add_(target, own)
+        torch._foreach_div_(own, float(world))
+        torch._foreach_maximum_(target, own)
+        torch._foreach_maximum_(target, fresh)
+        torch._foreach_sub_(target, fresh)
+        torch._foreach_div_(target, betas)
+        torch._foreach_clamp_min_(target, 0.0)
         # after the step v is beta2 * pre + (1 - beta2) * g_used^2, the rank's own would be
         # beta2 * v + (1 - beta2) * g_used^2: the difference is beta2 * (v - pre), whatever
         # gradient the step used (a step pre-hook may have clipped it)
-        keep = v.to(g.dtype) - pre
-        v.copy_(pre)
-        self._held.append((v, keep, beta2))
+        keep = torch._foreach_sub(wide, target)
+        for v, pre in zip(vs, target):
+            v.copy_(pre)
+        self._held.extend(zip(vs, keep, betas))
 
     def after(self, stepped: bool = True) -> None:
         """Each parameter's own second moment back in Adam's state (the corrected one was
         for the step only). ``stepped=False``: the step raised, taken as not having run."""
+        by_kind = {}
         for v, keep, beta2 in self._held:
             if v.dtype == keep.dtype:
-                v.add_(keep, alpha=beta2 if stepped else 1.0)
-            else:
+                key = (v.device, v.dtype, beta2 if stepped else 1.0)
+                by_kind.setdefault(key, []).append((v, keep))
+        for (_, _, alpha), entries in by_kind.items():  # (one kernel per kind on a GPU)
+            torch._foreach_add_([v for v, _ in entries], [k for _, k in entries], alpha=alpha)
+        for v, keep, beta2 in self._held:
+            if v.dtype != keep.dtype:
                 v.copy_(v.to(keep.dtype).add_(keep, alpha=beta2 if stepped else 1.0))
         self._held = []
 
