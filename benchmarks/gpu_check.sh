@@ -29,6 +29,7 @@ if "$PY" -c "import pytest" 2>/dev/null; then
   # every test that has a CUDA case: kernels, Golomb coder, payload decoding on the device
   $LIMIT "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
     tests/test_kernels.py tests/test_units.py tests/test_sparsifiers.py tests/test_layer_floor.py \
+    tests/test_variance_correction.py \
     -k "cupy or cuda or golomb or decode_where" 2>&1 || status=1
 fi
 

@@ -99,6 +99,22 @@ def test_the_step_uses_the_corrected_second_moment_and_keeps_adams_own(world, ki
     assert not torch.allclose(got, plain, rtol=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by "
+                    "benchmarks/gpu_check.sh on a GPU machine)")
+@pytest.mark.parametrize("kind", ["adamw", "adam_l2"])
+def test_the_multi_tensor_form_on_cuda_matches_the_reference(kind):
+    """On a GPU the torch form (multi-tensor ops) steps as the written-out reference does."""
+    grads = _grads(30)
+    p0 = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    make, ref = ((lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)),
+                 dict(wd=0.1)) if kind == "adamw" else \
+        ((lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.05)),
+         dict(wd=0.05, decoupled=False))
+    got, _ = _run(make, [g.cuda() for g in grads], 2, p0.cuda())
+    want, _ = _reference(p0, grads, 2, **ref)
+    assert torch.allclose(got.cpu(), want, rtol=1e-10, atol=1e-12)
+
+
 def test_one_rank_is_adam_bit_for_bit():
     grads = [g.float() for g in _grads(20)]
     p0 = torch.randn(5, 3)
