@@ -574,7 +574,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if self._hs_may_take_horovods_step():
             engine.switchable = ("exchange",) + \
                 (("bidirectional",) if self._hs_bidirectional_auto else ())
-            engine.on_switch = self._hs_adopt_switch
+            owner = weakref.ref(self)  # (no cycle through the engine: freed when dropped)
+            engine.on_switch = lambda switch: owner()._hs_adopt_switch(switch)
         else:
             engine.switchable, engine.on_switch = (), None
 

@@ -705,6 +705,33 @@ def test_a_dropped_optimizer_and_its_model_are_freed(exchange):
     assert opt() is None and weight() is None
 
 
+def test_an_adaptive_optimizer_is_freed_without_the_cycle_collector():
+    """Adam under exchange="auto" agrees its all-dense switch through the engine, which
+    calls back into the optimizer: that call must not hold it (a cycle through a bound
+    method kept every dropped optimizer, its state and model until a collection ran)."""
+    import gc
+    import weakref
+
+    from conftest import echo_transport
+
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        model = torch.nn.Linear(64, 64)
+        opt = hvd_sparse.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(),
+            transport=echo_transport()(), check_config=False, min_sparse_numel=0,
+            cost_model="off")
+        assert opt._hs_engine.switchable, "not switchable: nothing tested"
+        ref = weakref.ref(opt)
+        del opt
+        assert ref() is None
+    finally:
+        if was:
+            gc.enable()
+
+
 def _update_exchange(opt_cls, lr, dtype=torch.float32, **kw):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(30, 200), torch.nn.ReLU(),
