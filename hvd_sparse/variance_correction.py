@@ -153,20 +153,14 @@ class VarianceCorrection:
         ``maximize``; here: a float32/float64 CPU tensor without gaps, its state in the same
         layout) and the state is there (else False: the torch form)."""
         g, v, last = p.grad, st.get("exp_avg_sq"), self.last.get(i)
-        if not HAVE_NUMBA or g.device.type != "cpu" \
-                or g.dtype not in (torch.float32, torch.float64) or _block(g) is None \
+        flat_g = _block(g) if HAVE_NUMBA and g.device.type == "cpu" else None
+        if flat_g is None or g.dtype not in (torch.float32, torch.float64) \
                 or last is None or last.dtype != g.dtype or last.stride() != g.stride() \
                 or last.device != g.device or v is None or v.dtype != g.dtype \
                 or v.stride() != g.stride() or last.shape != g.shape or "step" not in st:
             return False
         beta2 = group["betas"][1]
-        noise = self.noise.get(i)
-        if noise is None or noise.shape != g.shape or noise.dtype != g.dtype \
-                or noise.device != g.device or noise.stride() != g.stride():
-            fresh = torch.zeros_like(g)  # (g's layout: one elementwise pass over each block)
-            if noise is not None and noise.shape == g.shape:
-                fresh.copy_(noise)
-            noise = self.noise[i] = fresh
+        noise = self._noise_of(i, g)
         count = self.count.get(i, 0) + 1
         self.count[i] = count
         correct = world >= 2
@@ -176,8 +170,8 @@ class VarianceCorrection:
             keep = self._keep[i] = torch.empty_like(g)
         step = float(st["step"]) + 1
         excess = (1 - 1 / world) * (1 - beta2 ** step) / (1 - beta2 ** count)
-        _fused(_block(g), _block(last), _block(noise), _block(v),
-               _block(keep if correct else g), float(beta2), float(excess), float(world),
+        _fused(flat_g, _block(last), _block(noise), _block(v),
+               _block(keep) if correct else flat_g, float(beta2), float(excess), float(world),
                correct)
         if correct:
             self._held.append((v, keep, beta2))
@@ -195,11 +189,15 @@ class VarianceCorrection:
         return False
 
     def _noise_of(self, i: int, g: torch.Tensor) -> torch.Tensor:
+        """The noise estimate in ``g``'s device, dtype and layout (the fused pass pairs
+        entries by memory), carried over from a state loaded elsewhere or made anew."""
         est = self.noise.get(i)
-        if est is None or est.shape != g.shape:
-            est = self.noise[i] = torch.zeros_like(g)
-        elif est.device != g.device or est.dtype != g.dtype:  # (a state loaded elsewhere)
-            est = self.noise[i] = est.to(device=g.device, dtype=g.dtype)
+        if est is None or est.shape != g.shape or est.device != g.device \
+                or est.dtype != g.dtype or est.stride() != g.stride():
+            fresh = torch.zeros_like(g)
+            if est is not None and est.shape == g.shape:
+                fresh.copy_(est)
+            est = self.noise[i] = fresh
         return est
 
     def _torch_form(self, pending, world: int) -> None:
