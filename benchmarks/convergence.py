@@ -147,6 +147,22 @@ def _levers(steps):
         "topk0.1%-update-unidirectional-warmup5-global-varcorr": [
             "--density", "0.001", *update, "--no-bidirectional", *warm5, "--scope", "model",
             "--variance-correction"],
+        # the same at 0.1% with one lever changed: per-tensor selection, the layer floor, the
+        # downlink selection, the cool-down, the longer warm-up
+        **{f"topk0.1%-update-{tag}-varcorr": [
+            "--density", "0.001", *update, *rest, "--variance-correction"]
+           for tag, rest in (
+               ("unidirectional-warmup5", ["--no-bidirectional", *warm5, "--scope", "tensor"]),
+               ("unidirectional-warmup5-global-floor0.5",
+                ["--no-bidirectional", *warm5, "--scope", "model", "--layer-floor", "0.5"]),
+               ("warmup5-global", [*warm5, "--scope", "model"]),
+               ("unidirectional-warmup5-global-cooldown",
+                ["--no-bidirectional", *warm5, "--scope", "model", *cool]),
+               ("unidirectional-warmup-global", ["--no-bidirectional", *warm, "--scope",
+                                                 "model"]),
+               ("unidirectional-dense4-warmup5-global",
+                ["--no-bidirectional", "--dense-warmup-steps", "4", *warm5, "--scope",
+                 "model"]))},
         "update-dense": ["--density", "1.0", *update, "--no-bidirectional"],
         "update-dense-varcorr": ["--density", "1.0", *update, "--no-bidirectional",
                                  "--variance-correction"],
