@@ -163,6 +163,16 @@ def _levers(steps):
                ("unidirectional-dense4-warmup5-global",
                 ["--no-bidirectional", "--dense-warmup-steps", "4", *warm5, "--scope",
                  "model"]))},
+        # the same bytes as 0.1% a step, sent as 1% every 10 steps (2.5% every 4): each rank
+        # steps its own AdamW in between (local_steps, SBC's communication delay), so its
+        # parameters hold its own unsent change, where an exchanged update's residual waits
+        **{f"topk{d}-local{h}-{tag}-varcorr": [
+            "--density", str(float(d[:-1]) / 100), "--local-steps", str(h), *rest,
+            "--variance-correction"]
+           for d, h in (("1%", 10), ("0.25%", 4))
+           for tag, rest in (("unidirectional", ["--no-bidirectional"]),
+                             ("unidirectional-warmup5-global",
+                              ["--no-bidirectional", *warm5, "--scope", "model"]))},
         "update-dense": ["--density", "1.0", *update, "--no-bidirectional"],
         "update-dense-varcorr": ["--density", "1.0", *update, "--no-bidirectional",
                                  "--variance-correction"],

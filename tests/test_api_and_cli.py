@@ -388,6 +388,28 @@ def test_cli_dense_and_local_runs_keep_auto():
             ("auto", True, 0)
 
 
+def test_cli_local_steps_exchange_once_every_so_many_steps():
+    """--local-steps N: the optimizer the CLI builds exchanges once every N steps."""
+    from hvd_sparse.train.__main__ import build_optimizer, exchange_defaults, parse_args
+
+    exchanges = {}
+    for local in (1, 3):
+        args = parse_args(["--local-steps", str(local), "--cost-model", "off"])
+        args.total_steps = 100
+        torch.manual_seed(0)
+        m = torch.nn.Linear(8, 4)
+        base = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        exchange_defaults(args, base)
+        args.transport = LocalTransport()
+        opt = build_optimizer(args, m, base, hvd_sparse)
+        for _ in range(6):
+            opt.zero_grad()
+            m(torch.randn(2, 8)).sum().backward()
+            opt.step()
+        exchanges[local] = opt.communication_stats()["steps"]
+    assert exchanges == {1: 6, 3: 2}
+
+
 @pytest.mark.parametrize("base,given,cosine", [
     ("sgd", "auto", False), ("sgd", "cosine", True), ("sgd", "constant", False),
     ("adamw", "auto", True), ("adamw", "constant", False)])
@@ -578,6 +600,7 @@ def test_mpi_front_end_refuses_another_launcher_and_takes_horovods_arguments(mpi
     (["--batch-size", "-4"], "--batch-size must be at least 1"),
     (["--dataset", "shakespeare", "--steps-per-epoch", "0"], "--steps-per-epoch must be at least 1"),
     (["--threads", "0"], "--threads must be at least 1"),
+    (["--local-steps", "0"], "--local-steps must be at least 1"),
     (["--ranks", "-1"], "--ranks must be at least 0"),
     (["--lr", "-1"], "--lr must be at least 0"),
     (["--metrics", "/nonexistent-folder/m.jsonl"], "--metrics: the folder"),

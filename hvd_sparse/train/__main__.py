@@ -107,6 +107,10 @@ def parse_args(argv=None):
                         "docs/results.md)")
     p.add_argument("--dense-warmup-steps", type=int, default=0,
                    help="first steps exchanged dense")
+    p.add_argument("--local-steps", type=int, default=1,
+                   help="each rank steps its own optimizer this many times between exchanges "
+                        "of its accumulated weight change (local_steps; SBC's communication "
+                        "delay)")
     p.add_argument("--momentum-correction", action="store_true",
                    help="SGD: DGC's momentum correction (the engine keeps the velocity, with "
                         "--momentum as its factor; the wrapped SGD runs without momentum)")
@@ -185,7 +189,7 @@ def check_args(parser, args) -> None:
                 "threads": 1, "ranks": 0, "benchmark_steps": 0, "warmup_steps": 0,
                 "train_limit": 0, "test_limit": 0, "min_sparse_numel": 0,
                 "dense_warmup_steps": 0, "density_warmup_steps": 0,
-                "density_cooldown_steps": 0}
+                "density_cooldown_steps": 0, "local_steps": 1}
     for name, low in at_least.items():
         v = getattr(args, name)
         if low is not None and v is not None and v < low:
@@ -383,6 +387,8 @@ def build_optimizer(args, model, base, hvd):
     extra["sharded_selection"] = args.sharded_selection
     extra["density_warmup_steps"] = args.density_warmup_steps
     extra["dense_warmup_steps"] = args.dense_warmup_steps
+    if args.local_steps != 1:
+        extra["local_steps"] = args.local_steps
     extra["min_sparse_numel"] = args.min_sparse_numel
     if args.layer_floor:
         extra["layer_floor"] = args.layer_floor
