@@ -66,6 +66,7 @@ echo "== 5. a whole training step: scopes against the no-exchange floor, and whe
 if [ -n "$LAUNCH" ]; then
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $LIMIT "$LAUNCH" $extra -np 2 \
     "$PY" benchmarks/gpu_step.py --variants floor sparse_tensor sparse_model sparse_bucket \
+    sparse_model_layerwise sparse_bucket_layerwise \
     --out "$DEST/gpu_step_cuda.json" || status=1
   # the tables only (the stall counts are in the log): the device tool returns eight files
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $LIMIT "$LAUNCH" $extra -np 2 \

@@ -1,6 +1,8 @@
 """Top-K with a per-tensor floor in a bucket of several tensors (``layer_floor``): the plain
 definition's properties, its fused form equal to it bit for bit on every CPU backend, and the
 engine giving the same bits on its fused and plain paths."""
+import types
+
 import pytest
 import torch
 
@@ -70,6 +72,51 @@ def test_a_starved_tensor_gets_entries_that_global_topk_denies_it():
     assert ((idx >= lo) & (idx < hi)).sum() == layer_floor.floors(segments, 0.02, 0.5)[0]
 
 
+def _segmented_cases():
+    for seed in range(8):
+        g, r, segments = _bucket(seed, ties=seed % 2 == 1)
+        for density in (0.003, 0.05, 0.4, 1.0):
+            counts = layer_floor.floors(segments, density, 1.0)
+            yield g, r, segments, counts
+    # whole segments (count at or above the length), a zero segment, one segment
+    g, r, segments = _bucket(2)
+    lo, hi = segments[1]
+    g[lo:hi] = 0.0
+    r[lo:hi] = 0.0
+    yield g, r, segments, [hi - lo + 5 if i == 0 else 7 for i in range(len(segments))]
+    yield g[:100], r[:100], ((0, 100),), [10]
+
+
+def test_the_sorted_segmented_topk_is_each_tensors_own_topk():
+    """The GPU backend's segmented Top-K (one sort, plain torch, run here on CPU tensors):
+    each segment's own exact Top-K, ties by lowest index, as the definition and the numba
+    backend give it."""
+    for g, r, segments, counts in _segmented_cases():
+        for grad in (g, None):
+            acc = r if grad is None else grad + r
+            idx, val = cuda.segmented_topk(grad, r, segments, counts)
+            want = torch.cat([lo + topk_indices(acc[lo:hi], min(k, hi - lo))
+                              for (lo, hi), k in zip(segments, counts)])
+            assert torch.equal(idx, want), (segments, counts)
+            assert torch.equal(val, acc[want])
+            if cpu.available():
+                c_idx, c_val = cpu.segmented_topk(grad, r, segments, counts)
+                assert torch.equal(idx, c_idx) and torch.equal(val, c_val)
+    with pytest.raises(ValueError, match="cover"):
+        cuda.segmented_topk(None, torch.ones(10), ((0, 5),), [1])
+    with pytest.raises(ValueError, match="contiguous"):
+        cuda.segmented_topk(None, torch.ones(10), ((0, 5), (6, 10)), [1, 1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by "
+                    "benchmarks/gpu_check.sh on a GPU machine)")
+def test_the_sorted_segmented_topk_on_cuda_equals_the_cpus():
+    for g, r, segments, counts in _segmented_cases():
+        idx, val = cuda.segmented_topk(g.cuda(), r.cuda(), segments, counts)
+        want_idx, want_val = cuda.segmented_topk(g, r, segments, counts)
+        assert torch.equal(idx.cpu(), want_idx) and torch.equal(val.cpu(), want_val)
+
+
 def _backends():
     out = [kernels.reference]
     if cpu.available():
@@ -83,6 +130,12 @@ def _backends_and_gpu():
     skip = pytest.mark.skipif(not cuda.available(), reason="no CUDA device with CuPy here: "
                               "the GPU forms run in benchmarks/gpu_check.sh")
     out = [pytest.param(o, False, id=o.__name__.split(".")[-1]) for o in _backends()]
+    # the CPU primitives with the GPU backend's sorted segmented Top-K (plain torch): the path
+    # a packed bucket takes on a GPU at floor 1, run here
+    sorted_segments = types.SimpleNamespace(**{k: v for k, v in vars(kernels.reference).items()
+                                               if not k.startswith("__")},
+                                            segmented_topk=cuda.segmented_topk)
+    out += [pytest.param(sorted_segments, False, id="torch-sorted-segments")]
     out += [pytest.param(cuda, False, id="cupy-direct", marks=skip),
             pytest.param(cuda, True, id="cupy-scan", marks=skip)]
     return out

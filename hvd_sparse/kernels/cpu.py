@@ -1202,11 +1202,11 @@ def _segment_plan(segments, counts):
 
     los = np.array([lo for lo, _ in segments], dtype=np.int64)
     ns = np.array([hi - lo for lo, hi in segments], dtype=np.int64)
-    ks = np.array(counts, dtype=np.int64)
+    ks = np.minimum(np.array(counts, dtype=np.int64), ns)  # a short segment gives all it has
     offs = np.zeros(len(segments) + 1, dtype=np.int64)
     np.cumsum(ks, out=offs[1:])
     samples, ranks = [], []
-    for n, k in zip(ns.tolist(), counts):
+    for n, k in zip(ns.tolist(), ks.tolist()):
         pos = sample_positions(n)
         rank = 0
         if pos is not None and 0 < k < n:

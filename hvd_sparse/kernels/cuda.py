@@ -274,6 +274,54 @@ def _sbc_side(score, mask, count: int, k: int):
     return reference._nonzero_k(above | (ties & (torch.cumsum(ties, 0) <= k - above.sum())), k)
 
 
+def segmented_topk(g, r, segments, counts):
+    """Each segment's own exact Top-K of ``|g + r|`` (``counts[i]`` of segment ``i``, ties by
+    lowest index; a segment of at most that many entries gives all of them), the segments
+    contiguous and covering the bucket: (int64 indices ascending, acc values). The layer-wise
+    selection of a bucket of several tensors (``layer_floor=1``: the short tensors packed
+    together) in one stable sort of a key (segment, magnitude descending) and no host read,
+    where the floor rule's global selection, per-segment reads and refinement took several
+    host reads and a launch or more per starved tensor. The same answer as the numba
+    backend's :func:`hvd_sparse.kernels.cpu.segmented_topk`. Plain torch, so it runs (and is
+    tested) on a CPU too. Reads only; NaN/Inf must have been ruled out."""
+    acc = (r if g is None else g.to(r.dtype) + r).contiguous().reshape(-1)
+    if not segments or segments[-1][1] != acc.numel():
+        raise ValueError(f"segmented_topk: segments {segments} do not cover {acc.numel()} "
+                         "entries")
+    starts, lengths, take = _segment_plan(tuple(segments), tuple(counts), acc.device)
+    # |acc| ordered by its float32 bits with the sign cleared (-0 and +0 alike, as the CPU
+    # ranks them), largest first within each segment, ties in index order (a stable sort)
+    bits = acc.float().view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    seg = torch.repeat_interleave(starts, lengths, output_size=acc.numel())
+    order = torch.sort((seg << 31) | (0x7FFFFFFF - bits), stable=True).indices
+    idx = torch.sort(order[take]).values  # segment i's block starts at its own offset
+    return idx, acc[idx]
+
+
+_plans = {}
+
+
+def _segment_plan(segments, counts, device):
+    """(segment numbers, lengths, positions taken in the sorted order) for
+    :func:`segmented_topk`, on ``device``, made once per bucket, density and device."""
+    key = (segments, counts, str(device))
+    plan = _plans.get(key)
+    if plan is None:
+        ends = [0] + [hi for _, hi in segments[:-1]]
+        if any(lo != end or hi < lo for (lo, hi), end in zip(segments, ends)):
+            raise ValueError(f"segmented_topk takes contiguous segments from 0, got {segments}")
+        if len(_plans) >= 256:  # densities change under a warm-up: keep the last ones
+            _plans.pop(next(iter(_plans)))
+        lengths = [hi - lo for lo, hi in segments]
+        take = np.concatenate([np.arange(lo, lo + min(int(k), hi - lo), dtype=np.int64)
+                               for (lo, hi), k in zip(segments, counts)] or
+                              [np.empty(0, dtype=np.int64)])
+        plan = _plans[key] = (torch.arange(len(segments), dtype=torch.int64, device=device),
+                              torch.tensor(lengths, dtype=torch.int64, device=device),
+                              torch.from_numpy(take).to(device))
+    return plan
+
+
 sample = reference.sample
 kth_magnitude = reference.kth_magnitude
 pick_topk = reference.pick_topk
