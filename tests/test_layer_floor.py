@@ -85,12 +85,19 @@ def _segmented_cases():
     r[lo:hi] = 0.0
     yield g, r, segments, [hi - lo + 5 if i == 0 else 7 for i in range(len(segments))]
     yield g[:100], r[:100], ((0, 100),), [10]
+    # an empty segment, a count of 0, and -0.0 against +0.0 with subnormals among the ties
+    a = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 2.0, -2.0, 0.0, 3.0])
+    yield a, torch.zeros(8), ((0, 0), (0, 4), (4, 4), (4, 6), (6, 8)), [1, 3, 2, 0, 1]
 
 
-def test_the_sorted_segmented_topk_is_each_tensors_own_topk():
-    """The GPU backend's segmented Top-K (one sort, plain torch, run here on CPU tensors):
-    each segment's own exact Top-K, ties by lowest index, as the definition and the numba
-    backend give it."""
+@pytest.mark.parametrize("chunk", [1 << 23, 1000, 1])
+def test_the_sorted_segmented_topk_is_each_tensors_own_topk(chunk, monkeypatch):
+    """The GPU backend's segmented Top-K (sorts of consecutive segments, and ``torch.topk``
+    for a segment longer than a sort takes; plain torch, run here on CPU tensors): each
+    segment's own exact Top-K, ties by lowest index, as the definition and the numba backend
+    give it. Small chunks put every path (several sorts, long segments alone) into play."""
+    monkeypatch.setattr(cuda, "SORT_CHUNK", chunk)
+    monkeypatch.setattr(cuda, "_plans", type(cuda._plans)())
     for g, r, segments, counts in _segmented_cases():
         for grad in (g, None):
             acc = r if grad is None else grad + r
@@ -112,9 +119,11 @@ def test_the_sorted_segmented_topk_is_each_tensors_own_topk():
                     "benchmarks/gpu_check.sh on a GPU machine)")
 def test_the_sorted_segmented_topk_on_cuda_equals_the_cpus():
     for g, r, segments, counts in _segmented_cases():
-        idx, val = cuda.segmented_topk(g.cuda(), r.cuda(), segments, counts)
-        want_idx, want_val = cuda.segmented_topk(g, r, segments, counts)
-        assert torch.equal(idx.cpu(), want_idx) and torch.equal(val.cpu(), want_val)
+        for grad in (g, None):
+            got = cuda.segmented_topk(None if grad is None else grad.cuda(), r.cuda(),
+                                      segments, counts)
+            want = cuda.segmented_topk(grad, r, segments, counts)
+            assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
 def _backends():

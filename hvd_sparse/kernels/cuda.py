@@ -22,6 +22,7 @@ that wraps torch's current stream is made once per stream. Host reads per bucket
 """
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple
 
 import numpy as np
@@ -278,48 +279,118 @@ def segmented_topk(g, r, segments, counts):
     """Each segment's own exact Top-K of ``|g + r|`` (``counts[i]`` of segment ``i``, ties by
     lowest index; a segment of at most that many entries gives all of them), the segments
     contiguous and covering the bucket: (int64 indices ascending, acc values). The layer-wise
-    selection of a bucket of several tensors (``layer_floor=1``: the short tensors packed
-    together) in one stable sort of a key (segment, magnitude descending) and no host read,
-    where the floor rule's global selection, per-segment reads and refinement took several
-    host reads and a launch or more per starved tensor. The same answer as the numba
+    selection of a bucket of several tensors (``layer_floor=1``) with no host read, where the
+    floor rule's global selection, per-segment reads and refinement took several reads and a
+    launch or more per starved tensor. Consecutive segments are ranked together, up to
+    :data:`SORT_CHUNK` entries at a time, by one stable sort of a key (segment, magnitude
+    descending); a longer segment by :func:`_segment_direct`. The same answer as the numba
     backend's :func:`hvd_sparse.kernels.cpu.segmented_topk`. Plain torch, so it runs (and is
     tested) on a CPU too. Reads only; NaN/Inf must have been ruled out."""
     acc = (r if g is None else g.to(r.dtype) + r).contiguous().reshape(-1)
     if not segments or segments[-1][1] != acc.numel():
         raise ValueError(f"segmented_topk: segments {segments} do not cover {acc.numel()} "
                          "entries")
-    starts, lengths, take = _segment_plan(tuple(segments), tuple(counts), acc.device)
-    # |acc| ordered by its float32 bits with the sign cleared (-0 and +0 alike, as the CPU
-    # ranks them), largest first within each segment, ties in index order (a stable sort)
-    bits = acc.float().view(torch.int32).to(torch.int64) & 0x7FFFFFFF
-    seg = torch.repeat_interleave(starts, lengths, output_size=acc.numel())
-    order = torch.sort((seg << 31) | (0x7FFFFFFF - bits), stable=True).indices
-    idx = torch.sort(order[take]).values  # segment i's block starts at its own offset
+    parts = []
+    for lo, hi, plan in _segment_plan(tuple(segments), tuple(counts), acc.device):
+        if isinstance(plan, int):  # one long segment, and its count
+            parts.append(_segment_direct(acc[lo:hi], plan) + lo)
+        elif plan[-1]:  # anything to take
+            parts.append(_segments_sorted(acc[lo:hi], *plan) + lo)
+    idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=acc.device)
     return idx, acc[idx]
 
 
-_plans = {}
+#: entries ranked by one sort (its buffers take about 40 bytes an entry while it runs)
+SORT_CHUNK = 1 << 23
+
+
+def _segments_sorted(a, ids, lengths, starts, ks, offsets, total):
+    """The positions (ascending, relative to ``a``) of each segment's top ``ks[i]``: the
+    magnitude's float32 bits with the sign cleared (-0 and +0 alike, as the CPU ranks them)
+    under the segment number, sorted stably (ties stay in index order); segment i's block of
+    the sorted order starts where the segment does."""
+    key = a.float().view(torch.int32).to(torch.int64)
+    key.bitwise_and_(0x7FFFFFFF).neg_().add_(0x7FFFFFFF)  # largest magnitude first
+    seg = torch.repeat_interleave(ids, lengths, output_size=a.numel())
+    seg <<= 31
+    key.bitwise_or_(seg)
+    del seg
+    order = torch.sort(key, stable=True).indices
+    del key
+    within = torch.arange(total, device=a.device) \
+        - torch.repeat_interleave(offsets, ks, output_size=total)
+    take = torch.repeat_interleave(starts, ks, output_size=total) + within
+    return torch.sort(order[take]).values
+
+
+def _segment_direct(a, k):
+    """The positions (ascending) of one long segment's top ``k``, as :func:`topk_direct`
+    finds them (``torch.topk``'s k-th magnitude, then the lowest-index ties), with no host
+    read: memory in the segment's length once, not a sort's."""
+    if k >= a.numel():
+        return torch.arange(a.numel(), device=a.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=a.device)
+    mag = a.abs()
+    t = torch.topk(mag, k, sorted=False).values.min()
+    above = mag > t
+    ties = mag == t
+    keep = above | (ties & (torch.cumsum(ties, 0) <= k - above.sum()))
+    return torch.nonzero_static(keep, size=k).reshape(-1)
+
+
+_plans = collections.OrderedDict()
 
 
 def _segment_plan(segments, counts, device):
-    """(segment numbers, lengths, positions taken in the sorted order) for
-    :func:`segmented_topk`, on ``device``, made once per bucket, density and device."""
+    """The chunks :func:`segmented_topk` ranks, made once per bucket, density and device (the
+    most recent 256 kept): ``(lo, hi, plan)`` with ``plan`` the count of one long segment, else
+    the small per-segment tensors :func:`_segments_sorted` takes (numbers, lengths, starts
+    within the chunk, counts, output offsets) and the chunk's output length."""
     key = (segments, counts, str(device))
     plan = _plans.get(key)
-    if plan is None:
-        ends = [0] + [hi for _, hi in segments[:-1]]
-        if any(lo != end or hi < lo for (lo, hi), end in zip(segments, ends)):
-            raise ValueError(f"segmented_topk takes contiguous segments from 0, got {segments}")
-        if len(_plans) >= 256:  # densities change under a warm-up: keep the last ones
-            _plans.pop(next(iter(_plans)))
-        lengths = [hi - lo for lo, hi in segments]
-        take = np.concatenate([np.arange(lo, lo + min(int(k), hi - lo), dtype=np.int64)
-                               for (lo, hi), k in zip(segments, counts)] or
-                              [np.empty(0, dtype=np.int64)])
-        plan = _plans[key] = (torch.arange(len(segments), dtype=torch.int64, device=device),
-                              torch.tensor(lengths, dtype=torch.int64, device=device),
-                              torch.from_numpy(take).to(device))
-    return plan
+    if plan is not None:
+        _plans.move_to_end(key)
+        return plan
+    ends = [0] + [hi for _, hi in segments[:-1]]
+    if any(lo != end or hi < lo for (lo, hi), end in zip(segments, ends)):
+        raise ValueError(f"segmented_topk takes contiguous segments from 0, got {segments}")
+    chunks, run = [], []
+
+    def close():
+        if run:
+            lo0 = run[0][0][0]
+            lengths = [hi - lo for (lo, hi), _ in run]
+            ks = [min(max(int(k), 0), hi - lo) for (lo, hi), k in run]
+            offsets = [0]
+            for k in ks[:-1]:
+                offsets.append(offsets[-1] + k)
+
+            def t(values):
+                return torch.tensor(values, dtype=torch.int64, device=device)
+            chunks.append((lo0, run[-1][0][1], (
+                t(list(range(len(run)))), t(lengths), t([lo - lo0 for (lo, _), _ in run]),
+                t(ks), t(offsets), sum(ks))))
+            run.clear()
+
+    size = 0
+    for seg, k in zip(segments, counts):
+        n = seg[1] - seg[0]
+        if n > SORT_CHUNK:
+            close()
+            size = 0
+            chunks.append((seg[0], seg[1], int(k)))
+            continue
+        if size + n > SORT_CHUNK:
+            close()
+            size = 0
+        run.append((seg, k))
+        size += n
+    close()
+    if len(_plans) >= 256:
+        _plans.popitem(last=False)
+    _plans[key] = chunks
+    return chunks
 
 
 sample = reference.sample

@@ -110,7 +110,7 @@ def parse_args(argv=None):
     p.add_argument("--local-steps", type=int, default=1,
                    help="each rank steps its own optimizer this many times between exchanges "
                         "of its accumulated weight change (local_steps; SBC's communication "
-                        "delay)")
+                        "delay); an evaluation between exchanges sees rank 0's own weights")
     p.add_argument("--momentum-correction", action="store_true",
                    help="SGD: DGC's momentum correction (the engine keeps the velocity, with "
                         "--momentum as its factor; the wrapped SGD runs without momentum)")
@@ -200,6 +200,15 @@ def check_args(parser, args) -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least 0, got {v}")
     if not 0.0 <= args.layer_floor <= 1.0:
         parser.error(f"--layer-floor must be in [0, 1], got {args.layer_floor}")
+    if args.local_steps > 1:  # (weight changes go out, not gradients)
+        if args.optimizer != "sparse":
+            parser.error(f"--local-steps applies to --optimizer sparse, not "
+                         f"--optimizer {args.optimizer}")
+        if args.momentum_correction or args.sparsifier == "threshold":
+            what = "--momentum-correction" if args.momentum_correction else \
+                "--sparsifier threshold (its --threshold is chosen for gradients)"
+            parser.error(f"--local-steps {args.local_steps} exchanges weight changes, which "
+                         f"{what} does not take")
     folder = os.path.dirname(os.path.abspath(args.metrics)) if args.metrics else None
     if folder and not os.path.isdir(folder):  # (TensorBoard makes its own folders)
         parser.error(f"--metrics: the folder {folder} does not exist")
