@@ -296,7 +296,8 @@ def segmented_topk(g, r, segments, counts):
             parts.append(_segment_direct(acc[lo:hi], plan) + lo)
         elif plan[-1]:  # anything to take
             parts.append(_segments_sorted(acc[lo:hi], *plan) + lo)
-    idx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=acc.device)
+    idx = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else \
+        torch.empty(0, dtype=torch.int64, device=acc.device)
     return idx, acc[idx]
 
 
