@@ -251,8 +251,7 @@ class VarianceCorrection:
         # beta2 * v + (1 - beta2) * g_used^2: the difference is beta2 * (v - pre), whatever
         # gradient the step used (a step pre-hook may have clipped it)
         keep = torch._foreach_sub(wide, target)
-        for v, pre in zip(vs, target):
-            v.copy_(pre)
+        torch._foreach_copy_(vs, target)  # (one launch on a GPU, not one per parameter)
         self._held.extend(zip(vs, keep, betas))
 
     def after(self, stepped: bool = True) -> None:
