@@ -224,11 +224,7 @@ def topk_direct(g, r, k: int):
     from .select import Selection, _empty
 
     acc = r if g is None else g + r
-    mag = acc.abs()
-    t = torch.topk(mag, k, sorted=False).values.min()
-    above = mag > t
-    ties = mag == t
-    keep = above | (ties & (torch.cumsum(ties, 0) <= k - above.sum()))
+    keep = _top_mask(acc.abs(), k)
     if not bool(torch.isfinite(acc).all()):  # the one host read
         return _empty(r, True)
     idx = torch.nonzero_static(keep, size=k).reshape(-1)
@@ -269,10 +265,17 @@ def _sbc_side(score, mask, count: int, k: int):
     """The positions of SBC's side whose entries are ``mask`` (``score > 0``), in index order."""
     if count <= k:
         return reference._nonzero_k(mask, count)
-    t = torch.topk(score, k, sorted=False).values.min()  # above zero: more than k are
+    return reference._nonzero_k(_top_mask(score, k), k)  # (above zero: more than k are)
+
+
+def _top_mask(score, k: int):
+    """Where the ``k`` largest of ``score`` lie (``0 < k < n``): every entry above the k-th
+    largest (``torch.topk``'s) and the lowest-index entries equal to it, the definition's tie
+    rule, with no host read."""
+    t = torch.topk(score, k, sorted=False).values.min()
     above = score > t
     ties = score == t
-    return reference._nonzero_k(above | (ties & (torch.cumsum(ties, 0) <= k - above.sum())), k)
+    return above | (ties & (torch.cumsum(ties, 0) <= k - above.sum()))
 
 
 def segmented_topk(g, r, segments, counts):
@@ -325,19 +328,13 @@ def _segments_sorted(a, ids, lengths, starts, ks, offsets, total):
 
 
 def _segment_direct(a, k):
-    """The positions (ascending) of one long segment's top ``k``, as :func:`topk_direct`
-    finds them (``torch.topk``'s k-th magnitude, then the lowest-index ties), with no host
-    read: memory in the segment's length once, not a sort's."""
+    """The positions (ascending) of one long segment's top ``k`` (:func:`_top_mask`, as
+    :func:`topk_direct` finds them): memory in the segment's length once, not a sort's."""
     if k >= a.numel():
         return torch.arange(a.numel(), device=a.device)
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=a.device)
-    mag = a.abs()
-    t = torch.topk(mag, k, sorted=False).values.min()
-    above = mag > t
-    ties = mag == t
-    keep = above | (ties & (torch.cumsum(ties, 0) <= k - above.sum()))
-    return torch.nonzero_static(keep, size=k).reshape(-1)
+    return torch.nonzero_static(_top_mask(a.abs(), k), size=k).reshape(-1)
 
 
 _plans = collections.OrderedDict()
