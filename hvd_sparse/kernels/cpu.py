@@ -291,24 +291,31 @@ if HAVE_NUMBA:
 
         Radix select on the bits of ``|v|`` (for non-negative floats the bit pattern orders
         like the value): a histogram of the top 16 bits names the bin of the k-th magnitude,
-        a second one of the low 16 bits inside that bin names the k-th magnitude itself, and
-        one pass in index order takes everything above it plus the lowest-index ties. Two
-        counting passes and no partition (an exact partition of the k-th bin cost more than
-        the rest together)."""
+        a second one of the low 16 bits inside that bin names the k-th magnitude itself
+        (:func:`_kth_positions`, which reads the candidates twice; a signed pick scores them
+        into an array first and ranks that with :func:`_radix_kth`), and one pass in index
+        order takes everything above it plus the lowest-index ties. No partition (an exact
+        partition of the k-th bin cost more than the rest together)."""
         m = cval.size
-        bits = cval.view(np.uint32) & np.uint32(0x7FFFFFFF)
-        if sign > 0:  # branch-free: the sides of candidates alternate at random
-            for i in range(m):
-                bits[i] *= np.uint32(cval[i] > 0)
-        elif sign < 0:
-            for i in range(m):
-                bits[i] *= np.uint32(cval[i] < 0)
-        kth, ties, _ = _radix_kth(bits, k)  # ties: taken at the k-th magnitude, lowest first
+        mask = np.uint32(0x7FFFFFFF)
+        if sign == 0:  # |v| read where it lies (two reads to rank it)
+            bits = cval.view(np.uint32)
+            kth, ties, _ = _kth_positions(cval, k)
+        else:
+            bits = cval.view(np.uint32) & mask
+            if sign > 0:  # branch-free: the sides of candidates alternate at random
+                for i in range(m):
+                    bits[i] *= np.uint32(cval[i] > 0)
+            else:
+                for i in range(m):
+                    bits[i] *= np.uint32(cval[i] < 0)
+            kth, ties, _ = _radix_kth(bits, k)
+        # ties: taken at the k-th magnitude, lowest first
         out_idx = np.empty(k + 1, dtype=np.int64)  # one spare slot: written, not kept
         out_val = np.empty(k + 1, dtype=np.float32)
         pos = 0
         for i in range(m):  # branch-free: taken or not is close to a coin toss
-            b = bits[i]
+            b = bits[i] & mask
             tie = (b == kth) & (ties > 0)
             ties -= np.int64(tie)
             out_idx[pos] = cidx[i]
@@ -463,30 +470,86 @@ if HAVE_NUMBA:
         return p
 
     @njit(cache=True)
+    def _kth_positions(cval, k):
+        """The k-th largest ``|v|`` of ``cval`` (k <= size) as float bits, how many
+        entries of it the k largest take, and the positions in ``cval`` of every entry of
+        it, in order. Two reads: a histogram of the top 16 bits of ``|v|`` (32,768 bins: the
+        sign bit is cleared) names the k-th's bin, and one more read copies that bin's
+        entries (low 16 bits and position; branch-free) into a short list, where the rest
+        is found. ``_radix_kth`` reads everything four times: a range of its own before
+        each histogram."""
+        raw = cval.view(np.uint32)
+        mask = np.uint32(0x7FFFFFFF)
+        shift = np.uint32(16)
+        m = raw.size
+        if m == 0:  # (nothing to rank: as _radix_kth answers)
+            return np.uint32(0xFFFFFFFF), np.int64(k), np.empty(0, dtype=np.int64)
+        hist = np.zeros(32768, dtype=np.int32)
+        for i in range(m):
+            hist[(raw[i] & mask) >> shift] += 1
+        top = 32767
+        while hist[top] == 0:  # the largest present (k = 0 names the largest magnitude)
+            top -= 1
+        above = 0
+        while above + hist[top] < k:
+            above += hist[top]
+            top -= 1
+        need = k - above  # taken from bin ``top``, the largest first
+        count = hist[top]
+        low = np.empty(count + 1, dtype=np.uint32)  # one spare slot: written, not kept
+        pos = np.empty(count + 1, dtype=np.int64)
+        t = np.uint32(top)
+        q = 0
+        for i in range(m):  # branch-free: written always, kept when in the bin
+            b = raw[i] & mask
+            low[q] = b & np.uint32(0xFFFF)
+            pos[q] = i
+            q += np.int64((b >> shift) == t)
+        hi, lo = np.uint32(0), np.uint32(65535)
+        for j in range(count):
+            hi = max(hi, low[j])
+            lo = min(lo, low[j])
+        hist2 = np.zeros(np.int64(hi) - np.int64(lo) + 1, dtype=np.int64)
+        for j in range(count):
+            hist2[low[j] - lo] += 1
+        b = hist2.size - 1
+        while hist2[b] < need:
+            need -= hist2[b]
+            b -= 1
+        kl = np.uint32(b) + lo
+        at_kth = np.empty(hist2[b], dtype=np.int64)
+        q = 0
+        for j in range(count):
+            if low[j] == kl:
+                at_kth[q] = pos[j]
+                q += 1
+        return (t << shift) | kl, need, at_kth
+
+    @njit(cache=True)
     def _pick_unordered(cidx, cval, k):
         """The k entries of largest ``|v|`` among candidates in any order, ties by lowest
-        index: radix select as in ``_pick``, the few entries tied at the k-th magnitude sorted
-        by index. Returns (chosen indices, values, the other indices, values), each in
-        candidate order."""
+        index: the k-th magnitude from :func:`_kth_positions`, and of the entries tied at it
+        the ``need`` lowest indices (a selection, not a sort: an SBC aggregate ties
+        thousands of entries at one value; usually every tie is taken). Returns (chosen
+        indices, values, the other indices, values), each in candidate order."""
         m = cval.size
-        bits = cval.view(np.uint32) & np.uint32(0x7FFFFFFF)
-        kth, need, at_kth = _radix_kth(bits, k)
-        tied = np.empty(at_kth, dtype=np.int64)  # entries at the k-th magnitude
-        t = 0
-        for i in range(m):
-            if bits[i] == kth:
-                tied[t] = cidx[i]
-                t += 1
-        # of those, the ``need`` lowest-index ones are taken: a selection, not a sort (an SBC
-        # aggregate ties thousands of entries at one value)
-        cutoff = np.partition(tied, need - 1)[need - 1]
+        kth, need, tied = _kth_positions(cval, k)
+        if need == tied.size:
+            cutoff = np.int64(np.iinfo(np.int64).max)  # every entry tied at the k-th goes
+        else:
+            tied_idx = np.empty(tied.size, dtype=np.int64)
+            for j in range(tied.size):
+                tied_idx[j] = cidx[tied[j]]
+            cutoff = np.partition(tied_idx, need - 1)[need - 1]
+        raw = cval.view(np.uint32)
+        mask = np.uint32(0x7FFFFFFF)
         sel_idx = np.empty(k + 1, dtype=np.int64)  # one spare slot each: written, not kept
         sel_val = np.empty(k + 1, dtype=np.float32)
         rest_idx = np.empty(m - k + 1, dtype=np.int64)
         rest_val = np.empty(m - k + 1, dtype=np.float32)
         p = q = 0
         for i in range(m):  # branch-free: both written, one kept
-            b = bits[i]
+            b = raw[i] & mask
             x = cidx[i]
             v = cval[i]
             take = np.int64((b > kth) | ((b == kth) & (x <= cutoff)))
@@ -523,7 +586,7 @@ if HAVE_NUMBA:
         """The entries with ``|v|`` at or above both ``bound`` and the k-th largest ``|v|``
         (ties at it all kept), in their order, and that cut: radix select, one compaction."""
         bits = val.view(np.uint32) & np.uint32(0x7FFFFFFF)
-        kth, _, _ = _radix_kth(bits, k)
+        kth, _, _ = _kth_positions(val, k)
         cut = max(np.float32(bound), np.array([kth]).view(np.float32)[0])
         cut_bits = np.array([cut]).view(np.uint32)[0]
         out_idx = np.empty(idx.size, dtype=np.int64)
