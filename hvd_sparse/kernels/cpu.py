@@ -470,6 +470,30 @@ if HAVE_NUMBA:
         return p
 
     @njit(cache=True)
+    def _collect_sides(idx, val, bound, bound_neg, mark, pi, pv, p, ni, nv, q):
+        """``_collect`` that appends each kept entry to the side of its sign (above zero to
+        ``pi, pv``, the others to ``ni, nv``) in the same pass: no list of both to split
+        after. Returns the new lengths."""
+        for j in range(idx.size):
+            i = idx[j]
+            w = i >> 6
+            bit = np.uint64(1) << np.uint64(i & 63)
+            m = mark[w]
+            if m & bit:
+                continue
+            mark[w] = m | bit
+            v = val[j]
+            pi[p] = i
+            pv[p] = v
+            ni[q] = i
+            nv[q] = v
+            keep = (v >= bound) | (v <= -bound_neg)
+            up = v > 0
+            p += keep & up  # written always, kept or overwritten
+            q += keep & (not up)
+        return p, q
+
+    @njit(cache=True)
     def _kth_positions(cval, k):
         """The k-th largest ``|v|`` of ``cval`` (k <= size) as float bits, how many
         entries of it the k largest take, and the positions in ``cval`` of every entry of
@@ -1217,6 +1241,22 @@ def candidates(lists, bound, mark, bound_neg=None):
         p = _collect(idx, val, bound, bound_neg, mark, out_idx, out_val, p)
     mark[:] = 0
     return out_idx[:p], out_val[:p]
+
+
+def candidate_sides(lists, bound, bound_neg, mark):
+    """:func:`candidates` (with ``bound_neg``) split by sign as they are collected: (indices,
+    values above zero, indices, values of the others), each in list order."""
+    total = sum(i.size for i, _ in lists)
+    pi = np.empty(total + 1, dtype=np.int64)
+    pv = np.empty(total + 1, dtype=np.float32)
+    ni = np.empty(total + 1, dtype=np.int64)
+    nv = np.empty(total + 1, dtype=np.float32)
+    p = q = 0
+    bound, bound_neg = np.float32(bound), np.float32(bound_neg)
+    for idx, val in lists:
+        p, q = _collect_sides(idx, val, bound, bound_neg, mark, pi, pv, p, ni, nv, q)
+    mark[:] = 0
+    return pi[:p], pv[:p], ni[:q], nv[:q]
 
 
 def pick_unordered(cidx, cval, k):

@@ -46,8 +46,11 @@ class ResidualWatch:
         # the residual tensor the list describes, weakly: a bucket that goes dense releases it
         self.buffer = None
         self.version = None
-        self.idx = None  # int64 positions, in no order, with |r| >= bound (None: unknown)
-        self.val = None  # their values
+        # the listed entries with |r| >= bound, as (int64 positions, float32 values) parts,
+        # each in no order, no position in two of them (None: unknown); kept in the parts
+        # the selection made (a copy of millions of entries into one array cost more than
+        # the rest of an SBC step at 100M entries)
+        self.parts = None
         self.bound = None  # every other entry has r < bound ...
         self.bound_neg = None  # ... and r > -bound_neg (the same, but after SBC's steps)
         self.mark = None  # an all-zero bit set over the positions, reused every step
@@ -57,6 +60,15 @@ class ResidualWatch:
         self.incremental = 0
         self.scanned = 0
 
+    @property
+    def idx(self) -> Optional[np.ndarray]:
+        """The listed positions in one array (None: unknown), for tests and diagnostics."""
+        return None if self.parts is None else _joined(self.parts)[0]
+
+    @property
+    def val(self) -> Optional[np.ndarray]:
+        return None if self.parts is None else _joined(self.parts)[1]
+
     # ----------------------------------------------------------------- the engine's side
     def begin(self, residual: torch.Tensor, fresh: bool) -> "ResidualWatch":
         """Before the payloads are scattered: keep the list only if ``residual`` is the tensor
@@ -65,7 +77,7 @@ class ResidualWatch:
             self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), select.tiny())
         elif self.buffer is None or self.buffer() is not residual \
                 or residual._version != self.version:
-            self.idx = None
+            self.parts = None
         self.buffer = weakref.ref(residual)
         self.touched = []
         self.nonfinite = False
@@ -82,8 +94,8 @@ class ResidualWatch:
     def end(self, residual: torch.Tensor) -> None:
         """After the selection was committed: remember the version, or forget the list when
         the method did not keep it up to date."""
-        if not self.used or self.idx is None:
-            self.idx = None
+        if not self.used or self.parts is None:
+            self.parts = None
             self.buffer = None
         else:
             self.version = residual._version
@@ -95,7 +107,7 @@ class ResidualWatch:
             return select._empty(r, True)
         n = r.numel()
         cheap = self._cheap(n)
-        if self.idx is not None and 0 < k < n and cheap:
+        if self.parts is not None and 0 < k < n and cheap:
             mark = self._marks(n)
             bound = self._sym()
             cidx, cval = cpu.candidates(self._newest_first(), bound, mark)
@@ -108,7 +120,7 @@ class ResidualWatch:
         sel, cidx, cval, t = select.topk_scanned(ops, None, r, k)
         self.scanned += 1
         if sel.nonfinite or cidx is None or not cheap:
-            self.idx = None
+            self.parts = None
         else:
             self._keep(*cpu.outside(cidx.numpy(), cval.numpy(), sel.idx.numpy(),
                                     self._marks(n)), max(np.float32(t), select.tiny()), k)
@@ -118,7 +130,7 @@ class ResidualWatch:
         if self._start():
             return select._empty(r, True)
         t = np.float32(t)
-        if self.idx is not None and select.tiny() <= self._sym() <= t \
+        if self.parts is not None and select.tiny() <= self._sym() <= t \
                 and self._cheap(r.numel()):
             # every entry outside is below the bound, hence below t: only the list and the
             # touched positions can be selected
@@ -131,7 +143,7 @@ class ResidualWatch:
         sel = select.threshold(ops, None, r, t)
         self.scanned += 1
         if sel.nonfinite or t < select.tiny():
-            self.idx = None
+            self.parts = None
         else:  # everything at or above t was taken: the rest lies below it
             self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), t)
         return sel
@@ -143,10 +155,10 @@ class ResidualWatch:
             return select._empty(r, True)
         n = r.numel()
         if not select.sbc_fits(n, k):  # the plain path: the list is not kept
-            self.idx = None
+            self.parts = None
             return select.sbc(ops, None, r, k)
         cheap = self._cheap(n)
-        if self.idx is not None and cheap:
+        if self.parts is not None and cheap:
             sel = self._sbc_listed(k, n)
             if sel is not None:
                 self.incremental += 1
@@ -154,7 +166,7 @@ class ResidualWatch:
         sel, cidx, cval, (t_pos, t_neg) = select.sbc_scanned(ops, None, r, k)
         self.scanned += 1
         if sel is None or sel.nonfinite or cidx is None or not cheap:
-            self.idx = None
+            self.parts = None
         else:
             idx, val = cpu.outside(cidx.numpy(), cval.numpy(), sel.idx.numpy(), self._marks(n))
             pi, pv, ni, nv = cpu.split_sides(idx, val)
@@ -170,8 +182,7 @@ class ResidualWatch:
         beats every mean the short side can have."""
         floor = select.tiny()
         hi, lo = self.bound, self.bound_neg
-        cidx, cval = cpu.candidates(self._newest_first(), hi, self._marks(n), lo)
-        pi, pv, ni, nv = cpu.split_sides(cidx, cval)
+        pi, pv, ni, nv = cpu.candidate_sides(self._newest_first(), hi, lo, self._marks(n))
         pos = _largest_of_side(pi, pv, k) if pv.size >= k or hi <= floor else None
         neg = _largest_of_side(ni, nv, k) if nv.size >= k or lo <= floor else None
         if pos is not None and neg is not None:
@@ -205,13 +216,12 @@ class ResidualWatch:
     def _relist(self, pos, neg, sel, bound, bound_neg, k) -> None:
         """The list after an SBC step: ``pos`` and ``neg``, lists of (indices, values) at or
         above ``bound`` and at or below ``-bound_neg``, none of them sent; and what the commit
-        leaves at the sent positions. Each sign is trimmed on its own (:func:`_trimmed`)."""
+        leaves at the sent positions. Each sign is trimmed on its own (:func:`_trimmed`); the
+        parts stay as they are unless a side is trimmed."""
         li, lv, mi, mv = cpu.split_sides(sel.idx.numpy(), _left(sel))
-        (pi, pv), (ni, nv) = (tuple(np.concatenate(a) for a in zip(*parts))
-                              for parts in (pos + [(li, lv)], neg + [(mi, mv)]))
-        pi, pv, bound = _trimmed(pi, pv, bound, k)
-        ni, nv, bound_neg = _trimmed(ni, nv, bound_neg, k)
-        self._set(np.concatenate([pi, ni]), np.concatenate([pv, nv]), bound, bound_neg)
+        pos, bound = _trimmed_parts(pos + [(li, lv)], bound, k)
+        neg, bound_neg = _trimmed_parts(neg + [(mi, mv)], bound_neg, k)
+        self._set_parts(pos + neg, bound, bound_neg)
 
     def run(self, ops, r: torch.Tensor, k: int, method) -> select.Selection:
         """Any method written over the primitives (GaussianK) on the watched candidates:
@@ -222,7 +232,7 @@ class ResidualWatch:
         if self._start():
             return select._empty(r, True)
         n = r.numel()
-        if self.idx is not None and self._cheap(n):
+        if self.parts is not None and self._cheap(n):
             mark = self._marks(n)
             bound = self._sym()
             cidx, cval = cpu.candidates(self._newest_first(), bound, mark)
@@ -239,11 +249,11 @@ class ResidualWatch:
         sel = method(ops)
         self.scanned += 1
         if sel.nonfinite or sel.fallback:
-            self.idx = None
+            self.parts = None
         else:  # everything at or above its last threshold was taken; the rest lies below
             t = np.float32(np.abs(sel.values.numpy()).min()) if sel.idx.numel() else None
             if t is None or t < select.tiny():
-                self.idx = None
+                self.parts = None
             else:
                 self._set(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32), t)
         return sel
@@ -254,16 +264,16 @@ class ResidualWatch:
         selection is empty, as a scan's would be, and the list is forgotten)."""
         self.used = True
         if self.nonfinite:
-            self.idx = None
+            self.parts = None
         return self.nonfinite
 
     def _cheap(self, n) -> bool:
         """Would the list and this step's payloads cost less than a scan?"""
-        listed = 0 if self.idx is None else self.idx.size
+        listed = 0 if self.parts is None else sum(i.size for i, _ in self.parts)
         return (listed + sum(i.size for i, _ in self.touched)) * SCAN_RATIO < n
 
     def _newest_first(self):
-        return self.touched[::-1] + [(self.idx, self.val)]
+        return self.touched[::-1] + self.parts
 
     def _marks(self, n):
         if self.mark is None or self.mark.size != (n + 63) // 64:
@@ -271,7 +281,11 @@ class ResidualWatch:
         return self.mark
 
     def _set(self, idx, val, bound, bound_neg=None) -> None:
-        self.idx, self.val, self.bound = idx, val, np.float32(bound)
+        self._set_parts([(idx, val)], bound, bound_neg)
+
+    def _set_parts(self, parts, bound, bound_neg=None) -> None:
+        self.parts = [(i, v) for i, v in parts if i.size]
+        self.bound = np.float32(bound)
         self.bound_neg = self.bound if bound_neg is None else np.float32(bound_neg)
 
     def _sym(self) -> np.float32:
@@ -330,6 +344,24 @@ def _trimmed(idx, val, bound, k):
     if idx.size > TRIM_FACTOR * k + 1024:
         return cpu.largest(idx, val, k, bound)
     return idx, val, bound
+
+
+def _trimmed_parts(parts, bound, k):
+    """:func:`_trimmed` over (indices, values) parts, joined only when they are trimmed:
+    (parts, bound)."""
+    if sum(i.size for i, _ in parts) > TRIM_FACTOR * k + 1024:
+        idx, val, bound = cpu.largest(*_joined(parts), k, bound)
+        return [(idx, val)], bound
+    return parts, bound
+
+
+def _joined(parts):
+    """(indices, values) parts as one pair of arrays."""
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32)
+    return np.concatenate([i for i, _ in parts]), np.concatenate([v for _, v in parts])
 
 
 def _largest_of_side(idx, val, k):
