@@ -330,13 +330,21 @@ def test_scan_of_pieces_sees_nan():
     assert s.nonfinite
 
 
-def test_group_splits_a_selection_by_parameter_like_a_sort():
+@pytest.mark.parametrize("edges", [
+    [0, 10, 10, 500, 2000, 2001, 5000],
+    # long: the table's slots span many positions, and short ranges sit inside one slot
+    [0, 3, 3, 7, 1_000_000, 1_000_001, 1_000_002, 1_000_002, 9_999_999, 10_000_000]])
+def test_group_splits_a_selection_by_parameter_like_a_sort(edges):
     gen = torch.Generator().manual_seed(7)
-    edges = np.array([0, 10, 10, 500, 2000, 2001, 5000], dtype=np.int64)
-    idx = torch.randperm(5000, generator=gen)[:900]
-    val = torch.randn(900, generator=gen)
+    edges = np.array(edges, dtype=np.int64)
+    n = int(edges[-1])
+    # every range's first and last position, and random ones
+    ends = torch.tensor(sorted({int(e) for e in edges[:-1]} | {int(e) - 1 for e in edges[1:]}))
+    idx = torch.cat([ends[ends < n], torch.randperm(n, generator=gen)[:900]]).unique()
+    idx = idx[torch.randperm(idx.numel(), generator=gen)]
+    val = torch.randn(idx.numel(), generator=gen)
     gidx, gval, starts = cpu.group(idx, val, edges)
-    assert starts[0] == 0 and starts[-1] == 900
+    assert starts[0] == 0 and starts[-1] == idx.numel()
     for j in range(len(edges) - 1):
         inside = (idx >= int(edges[j])) & (idx < int(edges[j + 1]))
         a, e = starts[j], starts[j + 1]

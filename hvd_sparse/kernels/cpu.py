@@ -627,13 +627,29 @@ if HAVE_NUMBA:
     def _group(idx, vals, edges):
         """Entries grouped by the range ``[edges[j], edges[j + 1])`` holding their index, in
         their order within a group, indices made relative to the range's start: a counting
-        sort, O(m log ranges). Returns (indices, values, where each group starts)."""
+        sort, each entry's range from a table of the ranges at evenly spaced positions.
+        Returns (indices, values, where each group starts)."""
         m = idx.size
         groups = edges.size - 1
         which = np.empty(m, dtype=np.int64)
         starts = np.zeros(groups + 1, dtype=np.int64)
+        # a table of the group holding each 2**shift-th position: an entry's group is its
+        # slot's, or a few after it (a binary search per entry cost 9 ms per million)
+        length = max(edges[groups], 1)
+        shift = 0
+        while (length >> shift) > max(64 * groups, 4096):
+            shift += 1
+        table = np.empty((length >> shift) + 1, dtype=np.int64)
+        w = 0
+        for t in range(table.size):
+            while w < groups - 1 and edges[w + 1] <= (t << shift):
+                w += 1
+            table[t] = w
         for j in range(m):
-            w = np.searchsorted(edges, idx[j], side="right") - 1
+            x = idx[j]
+            w = table[x >> shift]
+            while w < groups - 1 and edges[w + 1] <= x:
+                w += 1
             which[j] = w
             starts[w + 1] += 1
         for w in range(groups):
