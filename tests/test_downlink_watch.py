@@ -155,6 +155,24 @@ def test_helpers():
     assert rest.tolist() == [4, 2] and rval.tolist() == [2, 2]
 
 
+@pytest.mark.parametrize("m", [3000, 3 * cpu.SHORT_LIST])  # both ways of ranking
+@pytest.mark.parametrize("values", ["normal", "few distinct"])
+def test_the_unordered_pick_is_a_sort_by_magnitude_then_index(m, values):
+    rng = np.random.default_rng(m)
+    v = rng.standard_normal(m).astype(np.float32) if values == "normal" else \
+        rng.choice(np.array([1, -1, 2, 0.5, -2, 0, -0.0, 1e-40], dtype=np.float32), m)
+    idx = rng.permutation(7 * m)[:m].astype(np.int64)
+    mag = np.abs(v).view(np.uint32).astype(np.int64)  # as the kernels compare magnitudes
+    order = np.lexsort((idx, -mag))
+    for k in (0, 1, m // 3, m - 1, m):
+        sel, sval, rest, rval = cpu.pick_unordered(idx, v, k)
+        chosen = np.zeros(m, dtype=bool)
+        chosen[order[:k]] = True
+        assert sel.tolist() == idx[chosen].tolist() and rest.tolist() == idx[~chosen].tolist()
+        assert np.array_equal(sval.view(np.uint32), v[chosen].view(np.uint32))
+        assert np.array_equal(rval.view(np.uint32), v[~chosen].view(np.uint32))
+
+
 @pytest.mark.parametrize("k,bound", [(3, 0.1), (3, 4.5), (1, 0.0)])
 def test_largest_trims_to_the_kth_magnitude_keeping_ties(k, bound):
     idx = np.array([10, 3, 8, 1, 6, 4], dtype=np.int64)

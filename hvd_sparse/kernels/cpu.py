@@ -43,6 +43,8 @@ except ImportError:  # pragma: no cover - depends on the installation
     HAVE_NUMBA = False
 
 BLOCK = 32  # entries per candidate bit mask (one uint32)
+#: below this many candidates _kth_positions ranks them with range-limited histograms
+SHORT_LIST = 16384
 BINS = 1 << 16
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}  # not nnan/ninf: NaN must be seen
 FLT_MAX = np.float32(3.4028234663852886e38)
@@ -508,6 +510,16 @@ if HAVE_NUMBA:
         m = raw.size
         if m == 0:  # (nothing to rank: as _radix_kth answers)
             return np.uint32(0xFFFFFFFF), np.int64(k), np.empty(0, dtype=np.int64)
+        if m < SHORT_LIST:  # histograms over the range the entries occupy: a fixed one's
+            bits = raw & mask  # zeroing and walk cost more than the rest here
+            kth, need, ties = _radix_kth(bits, k)
+            at_kth = np.empty(ties, dtype=np.int64)
+            q = 0
+            for i in range(m):
+                if bits[i] == kth:
+                    at_kth[q] = i
+                    q += 1
+            return kth, need, at_kth
         hist = np.zeros(32768, dtype=np.int32)
         for i in range(m):
             hist[(raw[i] & mask) >> shift] += 1
@@ -558,7 +570,9 @@ if HAVE_NUMBA:
         indices, values, the other indices, values), each in candidate order."""
         m = cval.size
         kth, need, tied = _kth_positions(cval, k)
-        if need == tied.size:
+        if need == 0:  # (k = 0)
+            cutoff = np.int64(-1)
+        elif need == tied.size:
             cutoff = np.int64(np.iinfo(np.int64).max)  # every entry tied at the k-th goes
         else:
             tied_idx = np.empty(tied.size, dtype=np.int64)
@@ -609,7 +623,8 @@ if HAVE_NUMBA:
     def _largest(idx, val, k, bound):
         """The entries with ``|v|`` at or above both ``bound`` and the k-th largest ``|v|``
         (ties at it all kept), in their order, and that cut: radix select, one compaction."""
-        bits = val.view(np.uint32) & np.uint32(0x7FFFFFFF)
+        raw = val.view(np.uint32)
+        mask = np.uint32(0x7FFFFFFF)
         kth, _, _ = _kth_positions(val, k)
         cut = max(np.float32(bound), np.array([kth]).view(np.float32)[0])
         cut_bits = np.array([cut]).view(np.uint32)[0]
@@ -617,7 +632,7 @@ if HAVE_NUMBA:
         out_val = np.empty(idx.size, dtype=np.float32)
         p = 0
         for i in range(idx.size):
-            if bits[i] >= cut_bits:
+            if raw[i] & mask >= cut_bits:
                 out_idx[p] = idx[i]
                 out_val[p] = val[i]
                 p += 1
@@ -637,7 +652,7 @@ if HAVE_NUMBA:
         # slot's, or a few after it (a binary search per entry cost 9 ms per million)
         length = max(edges[groups], 1)
         shift = 0
-        while (length >> shift) > max(64 * groups, 4096):
+        while (length >> shift) > max(64, min(64 * groups, 4 * m)):
             shift += 1
         table = np.empty((length >> shift) + 1, dtype=np.int64)
         w = 0
@@ -1259,7 +1274,7 @@ def candidates(lists, bound, mark, bound_neg=None):
     return out_idx[:p], out_val[:p]
 
 
-def candidate_sides(lists, bound, bound_neg, mark):
+def candidate_sides(lists, bound, mark, bound_neg):
     """:func:`candidates` (with ``bound_neg``) split by sign as they are collected: (indices,
     values above zero, indices, values of the others), each in list order."""
     total = sum(i.size for i, _ in lists)

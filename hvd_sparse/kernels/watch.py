@@ -67,6 +67,7 @@ class ResidualWatch:
 
     @property
     def val(self) -> Optional[np.ndarray]:
+        """Their values, in the same order."""
         return None if self.parts is None else _joined(self.parts)[1]
 
     # ----------------------------------------------------------------- the engine's side
@@ -182,7 +183,7 @@ class ResidualWatch:
         beats every mean the short side can have."""
         floor = select.tiny()
         hi, lo = self.bound, self.bound_neg
-        pi, pv, ni, nv = cpu.candidate_sides(self._newest_first(), hi, lo, self._marks(n))
+        pi, pv, ni, nv = cpu.candidate_sides(self._newest_first(), hi, self._marks(n), lo)
         pos = _largest_of_side(pi, pv, k) if pv.size >= k or hi <= floor else None
         neg = _largest_of_side(ni, nv, k) if nv.size >= k or lo <= floor else None
         if pos is not None and neg is not None:
@@ -216,8 +217,8 @@ class ResidualWatch:
     def _relist(self, pos, neg, sel, bound, bound_neg, k) -> None:
         """The list after an SBC step: ``pos`` and ``neg``, lists of (indices, values) at or
         above ``bound`` and at or below ``-bound_neg``, none of them sent; and what the commit
-        leaves at the sent positions. Each sign is trimmed on its own (:func:`_trimmed`); the
-        parts stay as they are unless a side is trimmed."""
+        leaves at the sent positions. Each sign is trimmed on its own
+        (:func:`_trimmed_parts`); the parts stay as they are unless a side is trimmed."""
         li, lv, mi, mv = cpu.split_sides(sel.idx.numpy(), _left(sel))
         pos, bound = _trimmed_parts(pos + [(li, lv)], bound, k)
         neg, bound_neg = _trimmed_parts(neg + [(mi, mv)], bound_neg, k)
