@@ -451,6 +451,15 @@ if HAVE_NUMBA:
             target[i] = x
             twin[i] = x
 
+    @njit(cache=True, inline="always")
+    def _first_mark(mark, i):
+        """Set bit ``i`` of the bit set ``mark``; whether it was clear before."""
+        w = i >> 6
+        bit = np.uint64(1) << np.uint64(i & 63)
+        m = mark[w]
+        mark[w] = m | bit
+        return not (m & bit)
+
     @njit(cache=True)
     def _collect(idx, val, bound, bound_neg, mark, out_idx, out_val, p):
         """Append the entries of one (index, value) list whose index is not yet marked (lists
@@ -459,12 +468,8 @@ if HAVE_NUMBA:
         new length."""
         for j in range(idx.size):
             i = idx[j]
-            w = i >> 6
-            bit = np.uint64(1) << np.uint64(i & 63)
-            m = mark[w]
-            if m & bit:
+            if not _first_mark(mark, i):
                 continue
-            mark[w] = m | bit
             v = val[j]
             out_idx[p] = i
             out_val[p] = v
@@ -478,12 +483,8 @@ if HAVE_NUMBA:
         after. Returns the new lengths."""
         for j in range(idx.size):
             i = idx[j]
-            w = i >> 6
-            bit = np.uint64(1) << np.uint64(i & 63)
-            m = mark[w]
-            if m & bit:
+            if not _first_mark(mark, i):
                 continue
-            mark[w] = m | bit
             v = val[j]
             pi[p] = i
             pv[p] = v
