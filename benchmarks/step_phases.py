@@ -10,10 +10,11 @@ gradients) it does not see. Here each configuration of `network.py` runs
 rank's entry point, which times, per step: the forward (the outermost module call), the
 backward less the hooks' work, the hooks (the engine's uplink: select, encode, the start of the
 collective), ``synchronize()`` (the engine's finish: wait, decode, aggregate, the downlink
-selection, the write), the wrapped optimizer's own step and ``zero_grad``, from one
-``zero_grad`` to the next; what is left is "other" (the data batch, the loop). Minor page faults
-are counted per phase. Medians over the timed steps of each rank, then over ranks and repeats
-(interleaved), go to `benchmarks/results/step_phases.json` with a stacked-bar PNG.
+selection, the write; for dense Horovod its own ``synchronize``), the wrapped optimizer's own
+step and ``zero_grad``, from one ``zero_grad`` to the next; what is left is "other" (the data
+batch, the loop). Minor page faults are counted per phase. Medians over the timed steps of
+each rank, then over ranks and repeats (interleaved), go to
+`benchmarks/results/step_phases.json` (``--name``) with a stacked-bar PNG.
 """
 from __future__ import annotations
 
@@ -108,6 +109,13 @@ def _worker(out_dir: str, argv: list) -> None:
         pipeline.Engine.launch = launch_step
         pipeline.Engine.finish = timed("synchronize", pipeline.Engine.finish)
     except ImportError:  # pragma: no cover - the package is importable where this runs
+        pass
+    try:  # dense Horovod's own: its wait for the allreduces, where the engine's finish is
+        from horovod.torch import optimizer as horovod_optimizer
+
+        dense = horovod_optimizer._DistributedOptimizer
+        dense.synchronize = timed("synchronize", dense.synchronize)
+    except ImportError:  # no Horovod (the mpi4py front end's machines)
         pass
 
     def write():
