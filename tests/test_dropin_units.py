@@ -1517,3 +1517,51 @@ def test_a_state_dict_whose_hvd_sparse_entry_is_not_a_dict_is_refused_clearly(en
     with pytest.raises(TypeError, match="'hvd_sparse' entry"):
         opt.load_state_dict(sd)
     assert opt.state_dict()["state"].keys() == before.keys()
+
+
+# ----------------------------------------------------------------- naming, as Horovod checks it
+def test_duplicate_parameter_names_are_refused_as_by_horovod():
+    """Two parameters under one name would share a bucket's name and its collectives."""
+    m = _net()
+    named = [("same", p) for p in m.parameters()]
+    with pytest.raises(ValueError, match="unique"):
+        hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                        named_parameters=named, transport=LocalTransport())
+
+
+def test_parameters_left_out_of_named_parameters_are_refused_as_by_horovod():
+    m = _net()
+    named = list(m.named_parameters())[:-1]
+    with pytest.raises(ValueError, match="not named"):
+        hvd_sparse.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                        named_parameters=named, transport=LocalTransport())
+
+
+def test_unnamed_parameters_in_two_groups_get_unique_names_the_same_each_time():
+    """Without named_parameters each parameter is named from its group and place, as Horovod
+    names them: unique across groups, and the same in every process that builds the same
+    optimizer (the collectives' names must match across ranks)."""
+    def build():
+        m = _net()
+        groups = [{"params": list(m[0].parameters())},
+                  {"params": list(m[2].parameters()), "lr": 0.05}]
+        opt = hvd_sparse.DistributedOptimizer(
+            torch.optim.SGD(groups, lr=0.1), density=0.1, min_sparse_numel=0,
+            cost_model="off", scope="tensor", transport=LocalTransport())
+        return m, opt
+
+    m, opt = build()
+    names = [n for v in opt.engine_state().values() for n in v.parameters]
+    assert len(names) == 4 and len(set(names)) == 4
+    assert names == [n for v in build()[1].engine_state().values() for n in v.parameters]
+    before = [p.detach().clone() for p in m.parameters()]
+    _train(m, opt, 2)
+    assert all(not torch.equal(a, p) for a, p in zip(before, m.parameters()))
+
+
+def test_num_groups_is_taken_as_horovods_deprecated_spelling_of_groups():
+    m = _net()
+    with pytest.warns(Warning, match="num_groups"):
+        opt = _wrap(m, num_groups=2)
+    _train(m, opt, 2)
+    assert opt.communication_stats()["steps"] == 2
