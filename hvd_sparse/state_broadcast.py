@@ -73,9 +73,26 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, **kwargs):
     with torch.no_grad():
         for p, before in held:
             p.copy_(before)
+    if len(optimizer.state) == 0:  # (the same on every rank: the same optimizer class)
+        _broadcast_options(optimizer, root_rank, hvd.broadcast_object)
     engine = getattr(optimizer, "_hs_engine", None)
     if engine is not None:
         engine.request_agreement(root_rank)
+
+
+def _broadcast_options(optimizer, root_rank, broadcast_object) -> None:
+    """The root's hyper-parameters (every group's, all but its parameters) on every rank.
+    Horovod's broadcast returns early for an optimizer that holds no state even after its
+    initialising step (SGD without momentum), before it reaches the groups' options: each
+    rank kept its own learning rate and the replicas drifted apart from the first step, where
+    the Horovod-free front ends, which send the whole state dict, gave every rank the root's."""
+    mine = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    root = broadcast_object(mine, root_rank)
+    if len(root) != len(optimizer.param_groups):
+        raise ValueError(f"broadcast_optimizer_state: rank {root_rank} has {len(root)} "
+                         f"parameter groups, this rank {len(optimizer.param_groups)}")
+    for group, options in zip(optimizer.param_groups, root):
+        group.update(options)
 
 
 def _parameters_before_initialising_step(optimizer) -> list:

@@ -38,6 +38,14 @@ def test_broadcast_optimizer_state_takes_rank0_hyperparameters_with_types(parity
             assert got["values_equal"] and got["types_equal"], name
 
 
+def test_an_optimizer_without_state_takes_rank0_hyperparameters_too(parity):
+    for r in parity:
+        for when, got in r["stateless_options"].items():
+            assert got["stateless"], when
+            assert got["options"] == [0.1, 0.0], (r["rank"], when)
+            assert got["replicas_equal"], when
+
+
 def test_frozen_integer_parameter_and_missing_gradient(parity):
     for r in parity:
         assert r["no_grad_a_grad_is_none"] and r["no_grad_b_grad_equal"]

@@ -101,6 +101,29 @@ def scenario_broadcast_options(res):
     res["broadcast_options"] = out
 
 
+def scenario_stateless_optimizer_options(res):
+    """An optimizer without state (SGD without momentum) takes rank 0's hyper-parameters too,
+    fresh or after a step, and the replicas then train alike. (Horovod's own broadcast stops
+    before the options when there is no state to send.)"""
+    out = {}
+    for when in ("fresh", "after_a_step"):
+        torch.manual_seed(0)
+        m = net()
+        lr, wd = (0.1, 0.0) if hvd.rank() == 0 else (0.3, 0.01)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=lr, weight_decay=wd),
+                                       named_parameters=m.named_parameters())
+        if when == "after_a_step":
+            train_step(m, opt)
+        hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        got = (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"])
+        for _ in range(3):
+            train_step(m, opt)
+        out[when] = {"options": list(got), "stateless": len(opt.state) == 0,
+                     "replicas_equal": same_everywhere([p.detach() for p in m.parameters()])}
+    res["stateless_options"] = out
+
+
 def scenario_frozen_and_integer_parameters(res):
     m = torch.nn.Module()
     m.a = torch.nn.Parameter(torch.tensor([1, 3]).int(), requires_grad=False)
@@ -362,6 +385,7 @@ def scenario_reload_weights_with_updates(res):
 
 
 SCENARIOS = [scenario_broadcast_state_every_optimizer, scenario_broadcast_options,
+             scenario_stateless_optimizer_options,
              scenario_frozen_and_integer_parameters, scenario_missing_gradient_on_one_rank,
              scenario_synchronize_clip_and_warning, scenario_gradients_written_through_data,
              scenario_rank_skips_backward, scenario_frozen_after_wrapping, scenario_join,
