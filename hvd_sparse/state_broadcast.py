@@ -74,7 +74,9 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, **kwargs):
         for p, before in held:
             p.copy_(before)
     if len(optimizer.state) == 0:  # (the same on every rank: the same optimizer class)
-        _broadcast_options(optimizer, root_rank, hvd.broadcast_object)
+        where = {"process_set": kwargs["process_set"]} if "process_set" in kwargs else {}
+        _broadcast_options(optimizer, root_rank,
+                           lambda obj, root: hvd.broadcast_object(obj, root, **where))
     engine = getattr(optimizer, "_hs_engine", None)
     if engine is not None:
         engine.request_agreement(root_rank)
