@@ -1565,3 +1565,43 @@ def test_num_groups_is_taken_as_horovods_deprecated_spelling_of_groups():
         opt = _wrap(m, num_groups=2)
     _train(m, opt, 2)
     assert opt.communication_stats()["steps"] == 2
+
+
+def test_the_compressors_without_horovod_give_horovods_results():
+    """Where Horovod is not installed (the mpi4py and torch front ends), ``Compression`` is
+    hvd_sparse's stand-in: fp16 for floating tensors only, back to the input's dtype, and
+    ``none`` as is; the same tensors as Horovod's own compressors give."""
+    import subprocess
+    import sys
+
+    script = r'''
+import sys, torch
+sys.modules["horovod"] = None  # as if it were not installed
+from hvd_sparse import compat
+assert not compat.HAVE_HOROVOD
+x64 = torch.tensor([1.0, 1e-4 + 1e-9, 70000.0, -3.3333333], dtype=torch.float64)
+for t in (x64, x64.float(), torch.arange(5), torch.tensor([True, False])):
+    c, ctx = compat.Compression.fp16.compress(t)
+    back = compat.Compression.fp16.decompress(c, ctx)
+    n, nctx = compat.Compression.none.compress(t)
+    print(t.dtype, c.dtype, back.dtype, back.tolist(), compat.Compression.none.decompress(n, nctx) is t)
+'''
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 4
+    assert lines[0].startswith("torch.float64 torch.float16 torch.float64")
+    assert lines[1].startswith("torch.float32 torch.float16 torch.float32")
+    assert lines[2].startswith("torch.int64 torch.int64 torch.int64")
+    assert lines[3].startswith("torch.bool torch.bool torch.bool")
+    assert all(line.endswith("True") for line in lines)
+    try:
+        from horovod.torch.compression import Compression
+    except ImportError:
+        return
+    x = torch.tensor([1.0, 1e-4 + 1e-9, 70000.0, -3.3333333], dtype=torch.float64)
+    for t, line in zip((x, x.float(), torch.arange(5), torch.tensor([True, False])), lines):
+        c, ctx = Compression.fp16.compress(t)
+        want = Compression.fp16.decompress(c, ctx)
+        assert str(want.tolist()) in line, (line, want.tolist())
