@@ -24,6 +24,7 @@ from . import buckets as bucketing
 from . import validate
 from .engine import Engine, build_config
 from .engine.config import EXCHANGES, adaptive_optimizer_classes, passes_per_step, resolve_exchange
+from .state_broadcast import register_elastic_sync
 from .transport import HorovodTransport, make_transport
 from .variance_correction import VarianceCorrection
 
@@ -1136,6 +1137,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         for b in plan:  # Horovod's allreduce from the first step: no allgather, no
             b.sparse = False  # calibration, and hvd.join() works as Horovod's
     transport = make_transport(transport, process_set)
+    register_elastic_sync()  # (an elastic TorchState syncs it with hvd_sparse's broadcast)
     alone = _shardable(config, transport.size())
     if alone is not None and any(b.layerwise for b in plan):
         plan = plan_with(pack, alone)

@@ -151,3 +151,40 @@ def broadcast_state_as_object(optimizer, root_rank, broadcast_object):
     engine = getattr(optimizer, "_hs_engine", None)
     if engine is not None:
         engine.request_agreement(root_rank)
+
+
+class _IsSparseOptimizer(type):
+    def __instancecheck__(cls, obj):
+        from .optimizer import is_sparse_optimizer
+
+        return is_sparse_optimizer(obj)
+
+
+class _SparseOptimizers(metaclass=_IsSparseOptimizer):
+    """``isinstance(x, _SparseOptimizers)``: is ``x`` an optimizer made by
+    ``hvd_sparse.DistributedOptimizer``? (Its class is made per wrapped class, as Horovod's
+    is, so there is no one class to name.) What Horovod's elastic handler registry matches."""
+
+
+def register_elastic_sync() -> None:
+    """Have Horovod's elastic ``TorchState.sync()`` bring an hvd_sparse optimizer into line
+    with this module's ``broadcast_optimizer_state`` instead of Horovod's: a rank that joins
+    fresh then keeps the weights just broadcast where the optimizer decays them (Horovod's
+    initialising step on zero gradients moved them, and the replicas stayed apart), takes the
+    root's hyper-parameters where the optimizer holds no state, and asks for the agreement of
+    the replicated state. Through Horovod's own registry of state handlers (its extension
+    point), ahead of its entry for every optimizer; once per process; nothing without Horovod."""
+    try:
+        from horovod.torch.elastic import state as elastic_state
+    except ImportError:
+        return
+    registry = list(elastic_state.get_handler_registry())
+    if any(kind is _SparseOptimizers for kind, _ in registry):
+        return
+
+    class SparseOptimizerStateHandler(elastic_state.OptimizerStateHandler):
+        def sync(self):
+            broadcast_optimizer_state(self.value, root_rank=0)
+
+    elastic_state.set_handler_registry([(_SparseOptimizers, SparseOptimizerStateHandler)]
+                                       + registry)

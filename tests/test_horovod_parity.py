@@ -46,6 +46,14 @@ def test_an_optimizer_without_state_takes_rank0_hyperparameters_too(parity):
             assert got["replicas_equal"], when
 
 
+def test_an_elastic_sync_brings_a_fresh_rank_into_line(parity):
+    for r in parity:
+        for case, got in r["elastic_fresh_rank"].items():
+            assert got["params_equal_after_sync"], case
+            assert got["lr"] == [0.1, 0.1], case
+            assert got["replicas_equal"], case
+
+
 def test_frozen_integer_parameter_and_missing_gradient(parity):
     for r in parity:
         assert r["no_grad_a_grad_is_none"] and r["no_grad_b_grad_equal"]

@@ -124,6 +124,40 @@ def scenario_stateless_optimizer_options(res):
     res["stateless_options"] = out
 
 
+def scenario_elastic_sync_of_a_fresh_rank(res):
+    """An elastic reset: rank 0 keeps the model and optimizer it trained, rank 1 holds what a
+    new worker would (its own weights and learning rate, no optimizer state), then
+    ``TorchState.sync()``. With
+    weight decay, Horovod's own sync gave the fresh rank an initialising step on zero gradients
+    after the weights were broadcast, which moved them; an optimizer without state kept the
+    fresh rank's learning rate. Replicas must be equal after the sync and after training on."""
+    out = {}
+    for name, kw in (("momentum_and_decay", dict(momentum=0.9, weight_decay=0.1)),
+                     ("without_state", {})):
+        torch.manual_seed(0)
+        m = net()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, **kw),
+                                       named_parameters=m.named_parameters())
+        hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+        for _ in range(2):
+            train_step(m, opt)
+        if hvd.rank() == 1:  # as a new worker: weights, learning rate and no state of its own
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(1.0)
+            opt.state.clear()
+            opt.param_groups[0]["lr"] = 0.5
+        state = hvd.elastic.TorchState(model=m, optimizer=opt)
+        state.sync()
+        synced = same_everywhere([p.detach() for p in m.parameters()])
+        lrs = hvd.allgather_object(opt.param_groups[0]["lr"])
+        for _ in range(3):
+            train_step(m, opt)
+        out[name] = {"params_equal_after_sync": synced, "lr": lrs,
+                     "replicas_equal": same_everywhere([p.detach() for p in m.parameters()])}
+    res["elastic_fresh_rank"] = out
+
+
 def scenario_frozen_and_integer_parameters(res):
     m = torch.nn.Module()
     m.a = torch.nn.Parameter(torch.tensor([1, 3]).int(), requires_grad=False)
@@ -385,7 +419,7 @@ def scenario_reload_weights_with_updates(res):
 
 
 SCENARIOS = [scenario_broadcast_state_every_optimizer, scenario_broadcast_options,
-             scenario_stateless_optimizer_options,
+             scenario_stateless_optimizer_options, scenario_elastic_sync_of_a_fresh_rank,
              scenario_frozen_and_integer_parameters, scenario_missing_gradient_on_one_rank,
              scenario_synchronize_clip_and_warning, scenario_gradients_written_through_data,
              scenario_rank_skips_backward, scenario_frozen_after_wrapping, scenario_join,
