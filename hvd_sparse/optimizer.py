@@ -813,6 +813,12 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 self._hs_variance.load_state_dict(variance)
 
 
+# step() fires the step hooks itself (_StepHooks: post-hooks after the exchange). Marked so
+# that torch's __setstate__ (load_state_dict, deepcopy) does not wrap it in its hook runner
+# too, which ran every hook twice per step after a resume.
+_SparseDistributedOptimizer.step.hooked = True
+
+
 def _add_flat(t, lo, hi, seg) -> None:
     """``t``'s entries ``lo:hi`` in logical (row-major) order += ``seg``, in place, whatever
     ``t``'s memory layout."""
@@ -1008,6 +1014,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if is_sparse_optimizer(optimizer):
         raise TypeError("optimizer is already an hvd_sparse.DistributedOptimizer")
+    if _horovod_wrapped(optimizer):
+        raise TypeError("optimizer is already a horovod.torch.DistributedOptimizer: wrap the "
+                        "plain torch optimizer with hvd_sparse.DistributedOptimizer instead "
+                        "(both would exchange the gradients, and Horovod's step recurses)")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     exchange_auto = exchange == "auto"
@@ -1326,6 +1336,13 @@ def _looks_adaptive(optimizer) -> bool:
         return False
     keys = set(getattr(optimizer, "defaults", {}))
     return bool(keys & {"betas", "beta1", "beta2"})
+
+
+def _horovod_wrapped(optimizer) -> bool:
+    """Made by Horovod's DistributedOptimizer (plain or Adasum): a class grafted from its body,
+    told by the methods it brings (no Horovod import needed)."""
+    return any("_allreduce_grad_async" in vars(c) and "_register_hooks" in vars(c)
+               for c in type(optimizer).__mro__)
 
 
 def is_sparse_optimizer(obj) -> bool:

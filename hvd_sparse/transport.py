@@ -69,8 +69,13 @@ class HorovodTransport(Transport):
     def _world(self):
         """The process set's (size, rank); after ``hvd.shutdown()`` the last ones it gave, so
         that a checkpoint can still be taken then (``state_dict()``, as with Horovod's own
-        optimizer: a script may shut down, then save). Collectives still fail there."""
+        optimizer: a script may shut down, then save). Collectives still fail there. A rank
+        outside the set is on its own, (1, 0): as with Horovod's optimizer, it steps on its
+        own gradient (the facade sends nothing there, see ``included``)."""
         try:
+            if not self.process_set.included():
+                self._seen = (1, 0)
+                return self._seen
             self._seen = (self.process_set.size(), self.process_set.rank())
         except ValueError:  # only "Horovod has not been initialized" after it was
             if self._seen is None or self._hvd.is_initialized():

@@ -78,6 +78,15 @@ for step in range(3):
 out["equal"] = all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
 # a parameter with no gradient keeps none, and so no weight decay, as under Horovod
 out["unused"] = [m.unused.grad is None, m.unused.tolist()]
+# one already wrapped by Horovod (a half-migrated script): refused, where it was taken and
+# recursed at the first zero_grad()
+import horovod.torch
+try:
+    hvd.DistributedOptimizer(horovod.torch.DistributedOptimizer(
+        torch.optim.SGD(ref.parameters(), lr=0.1), named_parameters=ref.named_parameters()),
+        named_parameters=ref.named_parameters())
+except TypeError as e:
+    out["horovods_refused"] = "horovod.torch.DistributedOptimizer" in str(e)
 print(json.dumps(out))
 """
 
@@ -85,7 +94,8 @@ print(json.dumps(out))
 def test_one_process_under_horovod_is_the_wrapped_optimizer(mpi_available):
     """As Horovod's: at size 1 (not elastic) no hooks, hence no guards, and the step is the
     wrapped optimizer's own (an average over one rank): a parameter without a gradient keeps
-    none (it was given a zero one, and weight decay moved it)."""
+    none (it was given a zero one, and weight decay moved it). One wrapped by Horovod already
+    is refused with a TypeError that says so."""
     import subprocess
     import sys
 
@@ -93,7 +103,8 @@ def test_one_process_under_horovod_is_the_wrapped_optimizer(mpi_available):
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"size": 1, "equal": True, "unused": [True, [1.0, 1.0, 1.0]]}
+    assert out == {"size": 1, "equal": True, "unused": [True, [1.0, 1.0, 1.0]],
+                   "horovods_refused": True}
 
 
 RESUMED_ALONE = r"""

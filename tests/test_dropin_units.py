@@ -1605,3 +1605,26 @@ for t in (x64, x64.float(), torch.arange(5), torch.tensor([True, False])):
         c, ctx = Compression.fp16.compress(t)
         want = Compression.fp16.decompress(c, ctx)
         assert str(want.tolist()) in line, (line, want.tolist())
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "deepcopy"])
+@pytest.mark.parametrize("exchange", ["gradient", "update"])
+def test_step_hooks_fire_once_per_step_after_a_load_or_a_copy(how, exchange):
+    """torch's ``__setstate__`` (run by ``load_state_dict`` and ``deepcopy``) wraps a class's
+    step in its hook runner unless the step says it runs them itself: ours fires them by hand,
+    so the hooks ran twice per step after a resume (an EMA in a post-hook counted double, and
+    in Horovod's rank-0 resume the ranks fired them unequally)."""
+    m = _net()
+    opt = _wrap(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), exchange=exchange)
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    _train(m, opt, 2)
+    assert calls == ["pre", "post"] * 2
+    if how == "load_state_dict":
+        opt.load_state_dict(opt.state_dict())
+    else:
+        copy.deepcopy(opt)
+    calls.clear()
+    _train(m, opt, 2, seed=1)
+    assert calls == ["pre", "post"] * 2

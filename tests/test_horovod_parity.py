@@ -125,10 +125,15 @@ def test_weights_reloaded_and_broadcast_stand_under_exchanged_updates(parity):
 def test_each_process_set_keeps_its_own_replicas(tmp_path, mpi_available):
     """Two process sets of two ranks each (Horovod's static sets), each set's optimizer on its
     own set: replicas identical within a set, the sets training apart, for gradients (SGD)
-    and updates (AdamW)."""
+    and updates (AdamW). Then a set that leaves ranks out, given on every rank (Horovod's
+    pattern): its two ranks stay identical, the others step alone, as a plain optimizer would
+    (this failed while wrapping on the ranks left out)."""
     proc, results = run_ranks("mpirun", 4, "process_set_scenario.py", tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(results) == 4
     for r in results:
         for name in ("sgd", "adamw"):
             assert r[f"{name}_even_equal"] and r[f"{name}_odd_equal"], (name, r)
             assert r[f"{name}_sets_differ"], (name, r)
+        assert r["first_pair_equal"] and r["first_state_dict"], r
+        assert r["first_equals_local"] == (r["rank"] >= 2), r
