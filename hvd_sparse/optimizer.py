@@ -434,6 +434,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hs_check_unexchanged()
         if self._hs_passthrough:
             return self._hs_passthrough_step(closure)
+        if engine.optimizer_state_average_due:  # agreed: per-rank state was loaded
+            engine.optimizer_state_average_due = False
+            self._hs_average_state()
         return self._hs_base.step(self, closure)
 
     def _hs_passthrough_step(self, closure):

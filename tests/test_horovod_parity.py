@@ -122,6 +122,12 @@ def test_weights_reloaded_and_broadcast_stand_under_exchanged_updates(parity):
         assert r["reload_with_updates"] == {"stands": True, "same": True}
 
 
+def test_per_rank_update_state_resumed_with_gradients_keeps_replicas(parity):
+    for r in parity:
+        assert r["per_rank_update_state_resumed"] == {
+            "SGD_1.0": True, "SGD_gradient": True, "Adam_1.0": True, "Adam_gradient": True}, r
+
+
 def test_each_process_set_keeps_its_own_replicas(tmp_path, mpi_available):
     """Two process sets of two ranks each (Horovod's static sets), each set's optimizer on its
     own set: replicas identical within a set, the sets training apart, for gradients (SGD)

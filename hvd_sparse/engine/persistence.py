@@ -239,6 +239,8 @@ class Checkpointing:
                 "rank's uplink residuals start from zero (save one state dict per rank to keep "
                 "them)")
         self.load_replicated(extra)
+        # the wrapped optimizer's state in it is per rank: averaged at the next step (agreed)
+        self.per_rank_state_loaded = saved_kind == "update" and self.exchange_kind() == "gradient"
         if other_kind:  # every residual, velocity and anchor starts afresh
             for b in self.buckets:
                 st = self.state[b.index]

@@ -146,6 +146,10 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         self.agreement_due = True
         self.agreement_root = 0
         self._agreed_size: Optional[int] = None
+        # a state saved with updates exchanged (the wrapped optimizer's state then this rank's
+        # own) loaded where gradients are: this rank's flag, then the agreement's (any rank)
+        self.per_rank_state_loaded = False
+        self.optimizer_state_average_due = False
         self.skip_step = False
         # exchanged updates: the agreement before the step found a non-finite gradient
         self.skip_update = False
@@ -264,12 +268,27 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             return
         if not self.holds_replicated_state():
             self._check_dense_pairing()  # (Horovod's step: nothing replicated to agree on)
+        else:
+            theirs = agreement.agree(self.transport,
+                                     self.describe() if self.config.check_config else None,
+                                     self.replicated_state(), root, self.fingerprint)
+            if theirs is not None:
+                self.load_replicated(theirs)
+        self._agree_on_per_rank_state()
+
+    def _agree_on_per_rank_state(self) -> None:
+        """Gradients exchanged: the wrapped optimizer's state must be the same on every rank.
+        A checkpoint saved while updates were exchanged holds each rank's own (momentum, Adam's
+        moments), and one saved per rank and resumed here (finishing dense, say) trained a
+        different model on every rank. One small allreduce at the agreement: where any rank
+        loaded such a state, the optimizer averages its state before its next step (the
+        switch's rule, :meth:`hvd_sparse.optimizer._SparseDistributedOptimizer._hs_average_state`)."""
+        if self.exchange_kind() != "gradient":
             return
-        theirs = agreement.agree(self.transport,
-                                 self.describe() if self.config.check_config else None,
-                                 self.replicated_state(), root, self.fingerprint)
-        if theirs is not None:
-            self.load_replicated(theirs)
+        _, (loaded,) = safety.same_by_sums(self.transport, b"", "hvd_sparse.agree.per_rank",
+                                           extra=(float(self.per_rank_state_loaded),))
+        self.per_rank_state_loaded = False
+        self.optimizer_state_average_due = loaded > 0
 
     def _check_dense_pairing(self) -> None:
         """Every bucket allreduced on ``p.grad``: the buckets must still pair up across ranks.

@@ -418,12 +418,44 @@ def scenario_reload_weights_with_updates(res):
         "same": same_everywhere(list(m.parameters()))}
 
 
+def scenario_per_rank_update_state_resumed_with_gradients(res):
+    """Updates exchanged (SGD with momentum, Adam: each rank's optimizer state its own), one
+    state dict per rank saved, each resumed into an optimizer that exchanges gradients, dense
+    (finishing at density=1.0) or sparse: the replicas stay identical (they drifted apart from
+    the first step, the momentum or moments taken as they were on each rank)."""
+    out = {}
+    for cls, kw in ((torch.optim.SGD, {"momentum": 0.9}), (torch.optim.Adam, {})):
+        for again in ({"density": 1.0}, {"exchange": "gradient"}):
+            torch.manual_seed(0)
+            m = net()
+            opt = hvd.DistributedOptimizer(cls(m.parameters(), lr=0.01, **kw),
+                                           named_parameters=m.named_parameters(),
+                                           density=0.05, cost_model="off")
+            torch.manual_seed(1 + hvd.rank())
+            for _ in range(3):
+                train_step(m, opt)
+            mine = copy.deepcopy(opt.state_dict())
+            del opt  # (its hooks go with it)
+            opt2 = hvd.DistributedOptimizer(cls(m.parameters(), lr=0.01, **kw),
+                                            named_parameters=m.named_parameters(),
+                                            cost_model="off", **{"density": 0.05, **again})
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the update residuals are dropped, said)
+                opt2.load_state_dict(mine)
+            for _ in range(2):
+                train_step(m, opt2)
+            out[f"{cls.__name__}_{'_'.join(map(str, again.values()))}"] = \
+                same_everywhere(list(m.parameters()))
+    res["per_rank_update_state_resumed"] = out
+
+
 SCENARIOS = [scenario_broadcast_state_every_optimizer, scenario_broadcast_options,
              scenario_stateless_optimizer_options, scenario_elastic_sync_of_a_fresh_rank,
              scenario_frozen_and_integer_parameters, scenario_missing_gradient_on_one_rank,
              scenario_synchronize_clip_and_warning, scenario_gradients_written_through_data,
              scenario_rank_skips_backward, scenario_frozen_after_wrapping, scenario_join,
-             scenario_reload_weights_with_updates]
+             scenario_reload_weights_with_updates,
+             scenario_per_rank_update_state_resumed_with_gradients]
 
 
 if __name__ == "__main__":
