@@ -125,7 +125,8 @@ def test_weights_reloaded_and_broadcast_stand_under_exchanged_updates(parity):
 def test_per_rank_update_state_resumed_with_gradients_keeps_replicas(parity):
     for r in parity:
         assert r["per_rank_update_state_resumed"] == {
-            "SGD_1.0": True, "SGD_gradient": True, "Adam_1.0": True, "Adam_gradient": True}, r
+            "SGD_1.0": True, "SGD_gradient": True, "SGD_1.0_False": True,
+            "Adam_1.0": True, "Adam_gradient": True, "Adam_1.0_False": True}, r
 
 
 def test_each_process_set_keeps_its_own_replicas(tmp_path, mpi_available):

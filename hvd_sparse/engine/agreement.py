@@ -60,26 +60,30 @@ def _feed(h, obj):
 
 
 def agree(transport, description: Optional[dict], replicated: dict,
-          root: int = 0, fingerprint: bytes = b"") -> Optional[dict]:
-    """Run the agreement on every rank (a collective). Returns the root's replicated state when
-    this rank's differs from it, else ``None``; raises on a configuration mismatch.
+          root: int = 0, fingerprint: bytes = b"", flag: bool = False):
+    """Run the agreement on every rank (a collective). Returns (the root's replicated state
+    when this rank's differs from it, else ``None``; whether any rank raised ``flag``); raises
+    on a configuration mismatch.
 
     ``description``: what must be equal on every rank (``None``: not compared).
-    ``fingerprint``: the optimizer's (:func:`hvd_sparse.safety.exchange_fingerprint`)."""
+    ``fingerprint``: the optimizer's (:func:`hvd_sparse.safety.exchange_fingerprint`).
+    ``flag``: a rank's own news that every rank must learn (one byte of the same gather)."""
     text = b"" if description is None else \
         json.dumps(description, sort_keys=True, default=str).encode()
     n = len(fingerprint)
-    mine = fingerprint + hashlib.sha256(text).digest() + state_digest(replicated)
+    mine = fingerprint + hashlib.sha256(text).digest() + state_digest(replicated) + \
+        bytes([bool(flag)])
     digests = safety._gather_bytes(transport, mine, "hvd_sparse.agree")
+    anyone = any(d[-1] for d in digests)
     other_optimizer = any(d[:n] != digests[0][:n] for d in digests)
-    digests = [d[n:] for d in digests]
+    digests = [d[n:-1] for d in digests]
     if other_optimizer or any(d[:DIGEST_BYTES] != digests[0][:DIGEST_BYTES] for d in digests):
         # (a model that differs and another optimizer's exchange look alike here: the first
         # difference is named, with the other possible cause)
         safety.raise_config_mismatch(transport, text, other_optimizer=other_optimizer)
     states = [d[DIGEST_BYTES:] for d in digests]
     if all(s == states[root] for s in states):
-        return None
+        return None, anyone
     blob = b""
     if transport.rank() == root:
         buf = io.BytesIO()
@@ -87,8 +91,8 @@ def agree(transport, description: Optional[dict], replicated: dict,
         blob = buf.getvalue()
     data = safety._gather_bytes(transport, blob, "hvd_sparse.agree.state")[root]
     if states[transport.rank()] == states[root]:
-        return None
-    return torch.load(io.BytesIO(data), weights_only=True)
+        return None, anyone
+    return torch.load(io.BytesIO(data), weights_only=True), anyone
 
 
 def _to_cpu(obj):

@@ -266,48 +266,48 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             self._warn_changed_dtypes()
         if size == 1:
             return
-        if not self.holds_replicated_state():
-            self._check_dense_pairing()  # (Horovod's step: nothing replicated to agree on)
-        else:
-            theirs = agreement.agree(self.transport,
-                                     self.describe() if self.config.check_config else None,
-                                     self.replicated_state(), root, self.fingerprint)
-            if theirs is not None:
-                self.load_replicated(theirs)
-        self._agree_on_per_rank_state()
-
-    def _agree_on_per_rank_state(self) -> None:
-        """Gradients exchanged: the wrapped optimizer's state must be the same on every rank.
-        A checkpoint saved while updates were exchanged holds each rank's own (momentum, Adam's
-        moments), and one saved per rank and resumed here (finishing dense, say) trained a
-        different model on every rank. One small allreduce at the agreement: where any rank
-        loaded such a state, the optimizer averages its state before its next step (the
-        switch's rule, :meth:`hvd_sparse.optimizer._SparseDistributedOptimizer._hs_average_state`)."""
-        if self.exchange_kind() != "gradient":
-            return
-        _, (loaded,) = safety.same_by_sums(self.transport, b"", "hvd_sparse.agree.per_rank",
-                                           extra=(float(self.per_rank_state_loaded),))
+        # Gradients exchanged: the wrapped optimizer's state must be the same on every rank. A
+        # checkpoint saved while updates were exchanged holds each rank's own (momentum, Adam's
+        # moments); one saved per rank and resumed here (finishing dense, say) trained another
+        # model on every rank. Where any rank loaded one (told in the agreement's collective),
+        # the optimizer averages its state before its next step (the switch's rule).
+        loaded = self.per_rank_state_loaded and self.exchange_kind() == "gradient"
         self.per_rank_state_loaded = False
-        self.optimizer_state_average_due = loaded > 0
+        if not self.holds_replicated_state():
+            # (Horovod's step: nothing replicated to agree on)
+            self.optimizer_state_average_due = self._check_dense_pairing(loaded)
+            return
+        theirs, self.optimizer_state_average_due = agreement.agree(
+            self.transport, self.describe() if self.config.check_config else None,
+            self.replicated_state(), root, self.fingerprint, flag=loaded)
+        if theirs is not None:
+            self.load_replicated(theirs)
 
-    def _check_dense_pairing(self) -> None:
+    def _check_dense_pairing(self, flag: bool = False) -> bool:
         """Every bucket allreduced on ``p.grad``: the buckets must still pair up across ranks.
         With a rank-dependent parameter order (a list built from a set, say) their names
         differed and Horovod stalled, or, packed under the same name and length, unrelated
         entries were summed in silence. One allreduce of the configuration's digest
         (:func:`hvd_sparse.safety.same_by_sums`, which ``hvd.join()`` serves as it serves
-        the exchange itself); where it differs, the full comparison names the difference."""
+        the exchange itself); where it differs, the full comparison names the difference.
+        Returns whether any rank raised ``flag`` (summed in the same allreduce; without
+        ``check_config``, where gradients are exchanged, the allreduce carries only that)."""
         import hashlib
         import json
 
         if not self.config.check_config:
-            return
+            if self.exchange_kind() != "gradient":
+                return False
+            _, (anyone,) = safety.same_by_sums(self.transport, b"", "hvd_sparse.agree.dense",
+                                               extra=(float(flag),))
+            return anyone > 0
         text = json.dumps(self.describe(), sort_keys=True, default=str).encode()
-        same, _ = safety.same_by_sums(self.transport,
-                                      self.fingerprint + hashlib.sha256(text).digest(),
-                                      "hvd_sparse.agree.dense")
+        same, (anyone,) = safety.same_by_sums(self.transport,
+                                              self.fingerprint + hashlib.sha256(text).digest(),
+                                              "hvd_sparse.agree.dense", extra=(float(flag),))
         if not same:
             safety.raise_config_mismatch(self.transport, text, other_optimizer=True)
+        return anyone > 0
 
     def switch_state(self) -> dict:
         """The library's exchange switch as replicated state (see ``switchable``)."""
