@@ -248,7 +248,7 @@ def plan_buckets(params: Sequence[Tuple[str, torch.nn.Parameter]], *, scope: str
     ``min_sparse_numel`` sent every piece dense, compression silently off).
     """
     if scope not in SCOPES:
-        raise ValueError(f"scope={scope!r} is not one of {SCOPES}")
+        raise ValueError(f"scope={scope!r} is not one of {('auto',) + SCOPES}")
     params = list(params)
     name_of = {id(p): n for n, p in params}
     chunks: List[List[Tuple[str, torch.nn.Parameter]]] = []

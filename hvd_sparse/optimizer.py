@@ -1095,20 +1095,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                     if id(p) in seen:
                         raise ValueError("A parameter can only appear once in groups.")
                     seen.add(id(p))
-    min_sparse_numel, bucket_cap_mb = (validate.plain_number(v)
-                                       for v in (min_sparse_numel, bucket_cap_mb))
-    max_bucket_numel = validate.plain_number(max_bucket_numel)
-    if isinstance(min_sparse_numel, bool) or not isinstance(min_sparse_numel, int) \
-            or min_sparse_numel < 0:
-        raise ValueError(f"min_sparse_numel must be a non-negative int, got {min_sparse_numel!r}")
+    min_sparse_numel = validate.whole("min_sparse_numel", min_sparse_numel, 0)
+    bucket_cap_mb = validate.plain_number(bucket_cap_mb)
+    if max_bucket_numel is not None:
+        max_bucket_numel = validate.whole("max_bucket_numel", max_bucket_numel, 1)
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
             or not math.isfinite(bucket_cap_mb) or bucket_cap_mb <= 0:
         raise ValueError(f"bucket_cap_mb must be a positive number (megabytes per bucket under "
                          f"scope='bucket'), got {bucket_cap_mb!r}")
-    if max_bucket_numel is not None and (isinstance(max_bucket_numel, bool) or
-                                         not isinstance(max_bucket_numel, int) or
-                                         max_bucket_numel <= 0):
-        raise ValueError(f"max_bucket_numel must be a positive int, got {max_bucket_numel!r}")
 
     named = _named_parameters(optimizer, named_parameters)
     name_of = {id(p): n for n, p in named}

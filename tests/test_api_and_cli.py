@@ -181,6 +181,21 @@ def test_one_process_under_horovod_applies_a_loaded_states_pending_mass(mpi_avai
         assert out[name]["steps"] == [4, 5], out
 
 
+@pytest.mark.parametrize("argv", [["--momentum-masking", "2"],
+                                  ["--sparsifier", "threshold", "--threshold", "-1"]])
+def test_training_cli_refuses_an_option_the_library_refuses_in_one_line(argv, mpi_available):
+    """Values only the optimizer checks end the run with its message, no traceback."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "hvd_sparse.train", "--epochs", "1",
+                           "--train-limit", "256", "--test-limit", "100", "--no-progress",
+                           *argv], env=_env(), capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("hvd_sparse.train: "), proc.stderr
+    assert argv[-2].lstrip("-").replace("-", "_") in proc.stderr
+
+
 @pytest.mark.multirank
 def test_training_cli_two_ranks_end_to_end(tmp_path, mpi_available):
     import subprocess

@@ -49,6 +49,9 @@ def _wrap(opt_cls=torch.optim.SGD, **kw):
     ({"sparsifier": "adaptive", "min_density": 0.05, "max_density": 0.02}, "min_density"),
     ({"sparsifier": "adaptive", "min_density": 0.05}, "min_density <= density"),
     ({"sparsifier": "adaptive", "sparsifier_options": {"gamma": math.nan}}, "gamma"),
+    ({"min_sparse_numel": 1024.5}, "min_sparse_numel"), ({"min_sparse_numel": -1}, "min_sp"),
+    ({"max_bucket_numel": 0}, "max_bucket_numel"), ({"max_bucket_numel": True}, "max_bucket"),
+    ({"scope": "layer"}, "'auto'"),  # (the default is named among the choices)
 ])
 def test_a_wrong_value_is_refused_when_the_optimizer_is_built(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -70,6 +73,8 @@ def test_a_wrong_value_is_refused_when_the_optimizer_is_built(kw, match):
     {"sparsifier": "randomk", "sparsifier_options": {"seed": 3.0}},
     {"sparsifier": "randomk", "sparsifier_options": [("seed", 3)]},
     {"sparsifier": "adaptive", "min_density": 0.0, "total_steps": 10},
+    # whole floats for the bucket sizes too (refused before, unlike every other int option)
+    {"min_sparse_numel": 1024.0}, {"max_bucket_numel": 4096.0},
 ])
 def test_numpy_and_torch_scalars_are_taken_as_their_numbers(kw):
     m, opt = _wrap(**kw)

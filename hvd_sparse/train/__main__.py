@@ -472,7 +472,10 @@ def main(argv=None):
         base = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=momentum)
     schedule = lr_schedule(args, base)
     exchange_defaults(args, base)
-    opt = build_optimizer(args, model, base, hvd)
+    try:
+        opt = build_optimizer(args, model, base, hvd)
+    except (ValueError, TypeError) as e:  # an option the library refuses: one line, every
+        raise SystemExit(f"hvd_sparse.train: {e}") from None  # rank alike, no traceback
     if args.optimizer != "local":
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
