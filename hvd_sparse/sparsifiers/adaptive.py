@@ -10,8 +10,9 @@ The rule implemented here, per bucket:
 
 * budget ``B = density * n * total_steps`` elements (``density`` is the run's average);
 * the error scale of step t is predicted by ``s_t``, the squared norm of the previous step's
-  aggregated gradient (the same on every rank, so every rank picks the same k with no extra
-  collective), relative to its running mean ``s_bar``;
+  aggregated sparse gradient (the sum of the ranks' payloads: the same on every rank, so every
+  rank picks the same k with no extra collective; error feedback's mass is in it, so k runs
+  above the even share while the residuals fill), relative to its running mean ``s_bar``;
 * ``k_t = clip(round(R_t / r_t * (s_t / s_bar) ** gamma), k_min, k_max)``, with ``R_t`` the budget
   left and ``r_t`` the steps left, and never more than leaves ``k_min`` for each remaining step,
   so the total never exceeds ``B`` (after ``total_steps`` it falls back to ``k_min``).
