@@ -73,7 +73,7 @@ class HorovodTransport(Transport):
         outside the set is on its own, (1, 0): as with Horovod's optimizer, it steps on its
         own gradient (the facade sends nothing there, see ``included``)."""
         try:
-            if not self.process_set.included():
+            if self.process_set.included() is False:  # (None: Horovod not initialised)
                 self._seen = (1, 0)
                 return self._seen
             self._seen = (self.process_set.size(), self.process_set.rank())
