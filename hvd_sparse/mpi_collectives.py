@@ -513,9 +513,10 @@ def join(device=-1) -> int:
     cannot stand in for a rank that stopped early, as Horovod's background loop does): waits
     for all ranks and returns the rank that arrived last."""
     comm = _mpi()._c()
+    now = np.array([time.time()])  # (arrival: before the agreement, which waits for everyone)
     agree(comm, "join")
     arrived = np.empty(comm.Get_size(), dtype=np.float64)
-    watched(comm, lambda: comm.Iallgather(np.array([time.time()]), arrived))
+    watched(comm, lambda: comm.Iallgather(now, arrived))
     return int(np.argmax(arrived))
 
 

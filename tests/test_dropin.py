@@ -360,8 +360,8 @@ def test_more_collectives_answer_as_horovods(dropin):
     """Min, Max and Product (integers and float16 too, the gradient reduced with the same op),
     async handles polled and synchronized out of order, grouped forms, alltoall with and without
     splits (its gradient sent back), reducescatter (the first rank one row more; Horovod's
-    gradients) and join, as Horovod gives them (under Horovod these are its own functions:
-    the same assertions hold for both)."""
+    gradients) and join (naming the rank that arrived last), as Horovod gives them (under
+    Horovod these are its own functions: the same assertions hold for both)."""
     n = len(dropin)
     fact = math.factorial(n)
     s = n * (n - 1) // 2
