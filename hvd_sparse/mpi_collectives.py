@@ -159,12 +159,17 @@ def _host_work(tensor, prescale):
     if prescale != 1.0:
         if work.dtype.is_floating_point:
             work.mul_(prescale)
-        else:  # as Horovod scales an integer buffer: in double, cast back (toward zero)
-            work = torch.trunc(work.double() * prescale).to(work.dtype)
+        else:
+            work = prescale_integers(work, prescale)
     return work
 
 
-def _finish_reduction(out, tensor, op, postscale, divisor):
+def prescale_integers(work, prescale):
+    """An integer buffer scaled as Horovod scales one: in double, cast back (toward zero)."""
+    return torch.trunc(work.double() * prescale).to(work.dtype)
+
+
+def finish_reduction(out, tensor, op, postscale, divisor):
     """Average, postscale and the input's dtype, device and shape, as Horovod's: integer
     averages truncate toward zero."""
     if not out.dtype.is_floating_point and postscale != 1.0:
@@ -193,7 +198,7 @@ def reduce_blocking(tensor, op, prescale=1.0, postscale=1.0):
     for lo in range(0, max(src.size, 1), CHUNK):
         a, b = src[lo:lo + CHUNK], dst[lo:lo + CHUNK]
         watched(comm, lambda: comm.Iallreduce(a, b, op=mop))
-    return _finish_reduction(out, tensor, op, postscale, comm.Get_size()).view(tensor.shape)
+    return finish_reduction(out, tensor, op, postscale, comm.Get_size()).view(tensor.shape)
 
 
 def _allreduce_start(tensor, name, op, prescale, postscale, into=None) -> int:
@@ -440,7 +445,7 @@ def _reducescatter_blocking(tensor, op, prescale, postscale, name=None):
     out = torch.empty(counts[rank], dtype=work.dtype)
     watched(comm, lambda: comm.Ireduce_scatter(work.numpy(), out.numpy(), recvcounts=counts,
                                                op=_mpi_op(op)))
-    out = _finish_reduction(out, tensor, op, postscale, size)
+    out = finish_reduction(out, tensor, op, postscale, size)
     return out.view(rows[rank], *tensor.shape[1:])
 
 

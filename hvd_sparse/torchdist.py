@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .compat import Average, Compression, Sum  # noqa: F401 - Horovod's names, Compression too
 from . import compat
 from .mpi_collectives import Max, Min, Product  # noqa: F401 - Horovod's values
+from .mpi_collectives import finish_reduction, prescale_integers
 from .mpi_guard import HorovodInternalError, check_root, missing_name, named
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
 from .state_broadcast import broadcast_state_as_object
@@ -178,8 +179,8 @@ class _Allreduce(torch.autograd.Function):
 
 def _reduce(tensor, op, prescale, postscale):
     """Floats under Average/Sum through the transport (its float32 widening of half types);
-    everything else with the backend's own op on a copy, integer averages truncated toward
-    zero as Horovod's."""
+    everything else with the backend's own op on a copy, integers scaled, averaged and
+    truncated toward zero as Horovod's."""
     if tensor.dtype.is_floating_point and op in (Average, Sum):
         t = TorchDistributedTransport()
         out = t.wait(t.allreduce_async(tensor, "allreduce", average=op == Average,
@@ -187,20 +188,14 @@ def _reduce(tensor, op, prescale, postscale):
         return out.view(tensor.shape)
     if tensor.dtype == torch.bool or tensor.is_complex():
         raise TypeError(f"hvd_sparse.torchdist.allreduce does not reduce {tensor.dtype}")
-    if not tensor.dtype.is_floating_point and (prescale != 1.0 or postscale != 1.0):
-        raise TypeError("scale factors apply to floating-point tensors only")
     work = tensor.detach().to(_device(), copy=True).contiguous()
     if prescale != 1.0:
-        work.mul_(prescale)
+        work = work.mul_(prescale) if work.dtype.is_floating_point else \
+            prescale_integers(work, prescale)
     reduce_op = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
                  Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}[op]
     dist.all_reduce(work, op=reduce_op)
-    if op == Average:
-        work = torch.div(work, size(), rounding_mode="trunc") if not work.dtype.is_floating_point \
-            else work / size()
-    if postscale != 1.0:
-        work.mul_(postscale)
-    return work.to(tensor.device).view(tensor.shape)
+    return finish_reduction(work, tensor, op, postscale, size()).view(tensor.shape)
 
 
 def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,

@@ -131,6 +131,10 @@ def test_torchdist_gives_horovods_helpers_under_torchrun(tmp_path):
         # ints [1, -1] and [2, -4]: Horovod's integer average truncates toward zero
         assert r["int_average"] == [1, -2] and r["int_sum"] == [3, -5]
         assert r["min_max_product"] == [[1, -4], [2, -1], [2, 4]]
+        # each rank's ints scaled in double and truncated, the sum's average folded into the
+        # postscale and truncated once: [0, 0] + [1, -2] -> [1, -2] * 1.5; max of [2, -2] and
+        # [4, -8] -> [4, -2] * 0.5; [3, -5] * 0.5
+        assert r["int_scaled"] == [[1, -3], [2, -1], [1, -2]]
         assert r["allreduce_grad"] == [3.0, 3.0]  # weights 1 and 2, summed back
         assert r["allgather"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
         # Horovod's allgather gradient is the average over ranks (weights 1 and 2)

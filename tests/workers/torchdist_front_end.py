@@ -62,6 +62,11 @@ def main(outdir):
         res["int_sum"] = hvd.allreduce(ints, op=hvd.Sum).tolist()
         res["min_max_product"] = [hvd.allreduce(ints, op=op).tolist()
                                   for op in (hvd.Min, hvd.Max, hvd.Product)]
+        # integers with scale factors, as Horovod scales them (refused before)
+        res["int_scaled"] = [
+            hvd.allreduce(ints, prescale_factor=0.5, postscale_factor=3.0).tolist(),
+            hvd.allreduce(ints, op=hvd.Max, prescale_factor=2.0, postscale_factor=0.5).tolist(),
+            hvd.allreduce(ints, op=hvd.Sum, postscale_factor=0.5).tolist()]
         x = torch.full((2,), float(rank + 1), requires_grad=True)
         (hvd.allreduce(x, op=hvd.Sum) * (rank + 1)).sum().backward()
         res["allreduce_grad"] = x.grad.tolist()  # the sum over ranks of each one's weight
