@@ -18,11 +18,6 @@ import os
 import sys
 import warnings
 
-try:
-    import cloudpickle as pickle
-except ImportError:  # pragma: no cover - depends on the installation
-    import pickle
-
 import torch
 
 from . import compat, core_sharing
@@ -41,7 +36,8 @@ from .mpi_collectives import (  # noqa: F401 - Horovod's names
     rocm_built, start_timeline, stop_timeline, synchronize)
 from . import mpi_collectives
 from .mpi_guard import HorovodInternalError  # noqa: F401 - Horovod's name
-from .mpi_guard import agree, check_root, describe, missing_name, named, watched
+from .mpi_guard import agree, check_root, describe, missing_name, named, pickled, unpickled
+from .mpi_guard import watched
 from . import mpi_guard
 from .sync_batch_norm import SyncBatchNorm  # noqa: F401 - Horovod's name
 
@@ -196,22 +192,24 @@ def _bcast_bytes(buf, root_rank) -> None:
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Rank ``root_rank``'s picklable object on every rank; pickled, then broadcast as bytes in
-    chunks (one mpi4py ``bcast`` fails past 2 GiB)."""
+    chunks (one mpi4py ``bcast`` fails past 2 GiB). An object the root cannot pickle raises
+    on every rank (the others waited, then failed in the next collective)."""
     import numpy as np
 
     _global_only(process_set)
     root_rank = _check_root(root_rank)
     comm = _c()
     agree(comm, "broadcast_object", root=root_rank, **named(name))
-    data = pickle.dumps(obj) \
-        if comm.Get_rank() == root_rank else b""
+    data = pickled(obj) if comm.Get_rank() == root_rank else b""
     size = np.array([len(data)], dtype=np.int64)
     watched(comm, lambda: comm.Ibcast(size, root=root_rank))
     size = int(size[0])
     buf = np.frombuffer(bytearray(data), dtype=np.uint8) if data \
         else np.empty(size, dtype=np.uint8)
     _bcast_bytes(buf, root_rank)
-    return obj if comm.Get_rank() == root_rank else pickle.loads(buf.tobytes())
+    if comm.Get_rank() == root_rank and data[:1] == b"o":
+        return obj
+    return unpickled([data or buf.tobytes()], "broadcast_object", first=root_rank)[0]
 
 
 def allgather_object(obj, name=None, process_set=None):
@@ -222,17 +220,17 @@ def allgather_object(obj, name=None, process_set=None):
     _global_only(process_set)
     comm = _c()
     agree(comm, "allgather_object", **named(name))
-    mine = pickle.dumps(obj)
+    mine = pickled(obj)
     sizes = np.empty(comm.Get_size(), dtype=np.int64)
     watched(comm, lambda: comm.Iallgather(np.array([len(mine)], dtype=np.int64), sizes))
     sizes = sizes.tolist()
-    out = []
+    blobs = []
     for root, size in enumerate(sizes):
         buf = np.frombuffer(bytearray(mine), dtype=np.uint8) if root == comm.Get_rank() \
             else np.empty(size, dtype=np.uint8)
         _bcast_bytes(buf, root)
-        out.append(pickle.loads(mine if root == comm.Get_rank() else buf.tobytes()))
-    return out
+        blobs.append(mine if root == comm.Get_rank() else buf.tobytes())
+    return unpickled(blobs, "allgather_object")
 
 
 def _reduce_op(op, average):

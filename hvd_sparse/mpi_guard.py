@@ -56,6 +56,35 @@ def abort_on_uncaught(comm) -> None:
     _installed.append(hook)
 
 
+def pickled(obj) -> bytes:
+    """``obj`` pickled (cloudpickle where installed, as Horovod's) behind a b"o", or behind a
+    b"e" the reason it cannot be: sent in its place, so that every rank can say so."""
+    try:
+        return b"o" + _pickle().dumps(obj)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by unpickled()
+        return b"e" + f"{type(e).__name__}: {e}".encode()
+
+
+def unpickled(blobs, what: str, first: int = 0) -> list:
+    """The objects :func:`pickled` made; where one could not be pickled, a ``TypeError`` on
+    every rank alike naming its rank (counted from ``first``), where the rank that failed
+    raised alone and the others failed or waited in their next collective."""
+    for r, b in enumerate(blobs):
+        if b[:1] == b"e":
+            raise TypeError(f"{what}: rank {first + r} could not pickle its object "
+                            f"({b[1:].decode(errors='replace')})")
+    return [_pickle().loads(b[1:]) for b in blobs]
+
+
+def _pickle():
+    try:
+        import cloudpickle
+        return cloudpickle
+    except ImportError:  # pragma: no cover - depends on the installation
+        import pickle
+        return pickle
+
+
 def check_root(root_rank, size: int) -> int:
     """``root_rank`` as a Python int; a root outside the job is a ``ValueError``, on every
     rank alike (as under Horovod; MPI would fail with ``MPI_ERR_ROOT``, torch.distributed in

@@ -17,11 +17,6 @@ from __future__ import annotations
 import hashlib
 import os
 
-try:  # Horovod's choice for objects: lambdas and local classes travel
-    import cloudpickle as pickle
-except ImportError:  # pragma: no cover - depends on the installation
-    import pickle
-
 import torch
 import torch.distributed as dist
 
@@ -29,7 +24,7 @@ from .compat import Average, Compression, Sum  # noqa: F401 - Horovod's names, C
 from . import compat
 from .mpi_collectives import Max, Min, Product  # noqa: F401 - Horovod's values
 from .mpi_collectives import finish_reduction, prescale_integers
-from .mpi_guard import HorovodInternalError, check_root, missing_name, named
+from .mpi_guard import HorovodInternalError, check_root, missing_name, named, pickled, unpickled
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
 from .state_broadcast import broadcast_state_as_object
 from .torch_transport import TorchDistributedTransport
@@ -117,18 +112,11 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     _group()
     _global_only(process_set)
     root_rank = _check_root(root_rank)
-    box = [b""]
-    if rank() == root_rank:
-        try:
-            box[0] = b"o" + pickle.dumps(obj)
-        except Exception as e:  # noqa: BLE001 - said on every rank
-            box[0] = b"e" + f"{type(e).__name__}: {e}".encode()
+    box = [pickled(obj) if rank() == root_rank else b""]
     dist.broadcast_object_list(box, src=root_rank, device=_device())  # (bytes: plain pickle)
-    got = box[0]
-    if got[:1] == b"e":
-        raise TypeError(f"broadcast_object: rank {root_rank} could not pickle the object "
-                        f"({got[1:].decode(errors='replace')})")
-    return obj if rank() == root_rank else pickle.loads(got[1:])
+    if rank() == root_rank and box[0][:1] == b"o":
+        return obj
+    return unpickled(box, "broadcast_object", first=root_rank)[0]
 
 
 def allgather_object(obj, name=None, process_set=None) -> list:
@@ -136,8 +124,8 @@ def allgather_object(obj, name=None, process_set=None) -> list:
     _group()
     _global_only(process_set)
     out = [None] * size()
-    dist.all_gather_object(out, pickle.dumps(obj))  # (bytes: plain pickle carries them)
-    return [pickle.loads(b) for b in out]
+    dist.all_gather_object(out, pickled(obj))  # (bytes: plain pickle carries them)
+    return unpickled(out, "allgather_object")
 
 
 def _agree(what: str, **fields) -> None:

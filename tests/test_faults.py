@@ -166,14 +166,26 @@ def test_a_collective_the_leaver_took_part_in_still_completes(mpi4py_available):
 
 
 def test_a_rank_that_gives_up_inside_a_collective_is_noticed(mpi4py_available):
-    """The root of broadcast_object cannot pickle its object: an error on it alone, after
-    every rank agreed on the broadcast. It leaves; the others, waiting for the object's size,
-    raise instead of waiting for ever (every MPI call after the agreement is watched too)."""
+    """The root of broadcast_object fails between the object's size and its bytes: an error on
+    it alone, after every rank agreed on the broadcast. It leaves; the others, waiting for the
+    bytes, raise instead of waiting for ever (every MPI call after the agreement is watched)."""
     proc, res = _leave_run(3, "local_error")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert res[0]["left"]
     for r in (1, 2):
         assert "rank(s) [0]" in res[r]["error"]
+
+
+def test_an_object_one_rank_cannot_pickle_raises_on_every_rank(mpi4py_available):
+    """broadcast_object from a root, allgather_object from one rank, of an object that cannot
+    be pickled: the same TypeError on every rank naming it (the root alone raised before, and
+    the others failed or hung in their next collective), and the job goes on."""
+    proc, res = _leave_run(3, "unpicklable")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(3):
+        assert "broadcast_object: rank 0 could not pickle" in res[r]["error"], res[r]
+        assert "allgather_object: rank 1 could not pickle" in res[r]["error_gather"], res[r]
+        assert res[r]["after"] == 3.0
 
 
 def test_a_script_that_finalizes_mpi_itself_exits_cleanly(mpi4py_available):

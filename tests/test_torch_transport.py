@@ -128,6 +128,8 @@ def test_torchdist_gives_horovods_helpers_under_torchrun(tmp_path):
         assert r["fp16_sum"] == ["torch.float64", 2.0, 2.0]
         assert r["bad_root"] == "ValueError"  # a root outside the job, on every rank
         assert r["object"] == {"from": 1}
+        assert "broadcast_object: rank 0 could not pickle" in r["unpicklable"]
+        assert "allgather_object: rank 1 could not pickle" in r["unpicklable_gather"]
         # ints [1, -1] and [2, -4]: Horovod's integer average truncates toward zero
         assert r["int_average"] == [1, -2] and r["int_sum"] == [3, -5]
         assert r["min_max_product"] == [[1, -4], [2, -1], [2, 4]]

@@ -6,8 +6,11 @@ they waited for the leaver for ever. Each rank prints one line ``RESULT <json>``
     leave_mpi.py shutdown    rank 1 calls hvd.shutdown() and returns; rank 0 broadcasts
     leave_mpi.py late        rank 0 finishes first; rank 1 waits for their last collective
                              only after rank 0 has gone (it completes), then starts another
-    leave_mpi.py local_error the root cannot pickle its object (an error on it alone, after
-                             the ranks agreed on the broadcast); it leaves, the others raise
+    leave_mpi.py local_error the root of broadcast_object fails between the object's size
+                             and its bytes (an error on it alone, after the ranks agreed
+                             on the broadcast); it leaves, the others raise
+    leave_mpi.py unpicklable the root cannot pickle its object: every rank raises the same
+                             TypeError, and the job goes on
     leave_mpi.py finalize    every rank calls MPI.Finalize() itself before exit
 """
 import json
@@ -71,14 +74,29 @@ elif mode == "late":
         except hvd.HorovodInternalError as e:
             res["error"] = str(e)
 elif mode == "local_error":
+    if me == 0:
+        def fail(buf, root_rank):
+            raise RuntimeError("the root gives up")
+
+        hvd._bcast_bytes = fail  # (the size went out; the bytes never follow)
+    try:
+        hvd.broadcast_object({"x": 1}, root_rank=0)
+    except hvd.HorovodInternalError as e:
+        res["error"] = str(e)
+    except RuntimeError:
+        res["left"] = True  # the root gives up and leaves
+elif mode == "unpicklable":
     import threading
 
     try:
         hvd.broadcast_object(threading.Lock() if me == 0 else None, root_rank=0)
-    except hvd.HorovodInternalError as e:
+    except TypeError as e:
         res["error"] = str(e)
-    except TypeError:
-        res["left"] = True  # the root: its object cannot be pickled; it gives up
+    try:
+        hvd.allgather_object(threading.Lock() if me == 1 else me)
+    except TypeError as e:
+        res["error_gather"] = str(e)
+    res["after"] = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()
 elif mode == "finalize":
     from mpi4py import MPI
 

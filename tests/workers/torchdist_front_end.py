@@ -57,6 +57,15 @@ def main(outdir):
         half = hvd.allreduce(fine, op=hvd.Sum, compression=hvd.Compression.fp16)
         res["fp16_sum"] = [str(half.dtype)] + half.tolist()
         res["object"] = hvd.broadcast_object({"from": rank}, root_rank=size - 1)
+        import threading  # an object one rank cannot pickle: a TypeError on every rank
+        for key, call in (("unpicklable", lambda: hvd.broadcast_object(
+                              threading.Lock() if rank == 0 else None, root_rank=0)),
+                          ("unpicklable_gather", lambda: hvd.allgather_object(
+                              threading.Lock() if rank == 1 else rank))):
+            try:
+                call()
+            except TypeError as e:
+                res[key] = str(e)
         ints = torch.tensor([rank + 1, -3 * rank - 1])
         res["int_average"] = hvd.allreduce(ints).tolist()  # truncated toward zero
         res["int_sum"] = hvd.allreduce(ints, op=hvd.Sum).tolist()
