@@ -9,6 +9,8 @@ rank order (the sharded exchange). ``allreduce_async`` is used for tensors sent 
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed
 
@@ -71,16 +73,29 @@ class HorovodTransport(Transport):
         that a checkpoint can still be taken then (``state_dict()``, as with Horovod's own
         optimizer: a script may shut down, then save). Collectives still fail there. A rank
         outside the set is on its own, (1, 0): as with Horovod's optimizer, it steps on its
-        own gradient (the facade sends nothing there, see ``included``)."""
-        try:
-            if self.process_set.included() is False:  # (None: Horovod not initialised)
-                self._seen = (1, 0)
+        own gradient (the facade sends nothing there, see ``included``).
+
+        A set other than the global one keeps its size and this rank's place in it, so they
+        are asked once: Horovod's table of sets, read while its background thread updates it,
+        at times answers "does not exist" for a registered set (seen on rank 0 at a
+        ``state_dict()``, about one run in seven of a 4-rank test)."""
+        ps = self.process_set
+        if self._seen is not None and getattr(ps, "process_set_id", 0):
+            return self._seen
+        for attempt in range(100):
+            try:
+                if ps.included() is False:  # (None: Horovod not initialised)
+                    self._seen = (1, 0)
+                else:
+                    self._seen = (ps.size(), ps.rank())
                 return self._seen
-            self._seen = (self.process_set.size(), self.process_set.rank())
-        except ValueError:  # only "Horovod has not been initialized" after it was
-            if self._seen is None or self._hvd.is_initialized():
-                raise
-        return self._seen
+            except ValueError as e:  # "Horovod has not been initialized", after it was
+                if "not been registered" in str(e) and attempt < 99:
+                    time.sleep(0.001)  # (the race above, before the first answer)
+                    continue
+                if self._seen is None or self._hvd.is_initialized():
+                    raise
+                return self._seen
 
     def size(self) -> int:
         return self._world()[0]

@@ -22,18 +22,10 @@ def main(outdir):
     res = {"rank": hvd.rank()}
     for name, base in (("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
                        ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2))):
-        torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(50, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 10))
+        m = model()
         opt = hvd.DistributedOptimizer(base(m.parameters()), named_parameters=m.named_parameters(),
                                        process_set=mine, density=0.05)
-        for i in range(5):
-            g = torch.Generator().manual_seed(i + 10 * hvd.rank())
-            opt.zero_grad()
-            F.cross_entropy(m(torch.randn(8, 50, generator=g)),
-                            torch.randint(0, 10, (8,), generator=g)).backward()
-            opt.step()
-        flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()]).unsqueeze(0)
+        flat = train(m, opt).unsqueeze(0)
         everyone = hvd.allgather(flat)  # the global set: compare within and across sets
         res[f"{name}_even_equal"] = bool(torch.equal(everyone[0], everyone[2]))
         res[f"{name}_odd_equal"] = bool(torch.equal(everyone[1], everyone[3]))
@@ -44,23 +36,25 @@ def main(outdir):
     hvd.shutdown()
 
 
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(50, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def train(m, opt):
+    """Five steps on this rank's own batches; the weights after them, flat."""
+    for i in range(5):
+        g = torch.Generator().manual_seed(i + 10 * hvd.rank())
+        opt.zero_grad()
+        F.cross_entropy(m(torch.randn(8, 50, generator=g)),
+                        torch.randint(0, 10, (8,), generator=g)).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
 def outside_the_set(first):
     """Every rank wraps with ``first`` ([0, 1]): 0 and 1 exchange, 2 and 3 step alone, the
     same weights as a plain local optimizer on their own batches, and can still checkpoint."""
-    def model():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(50, 64), torch.nn.ReLU(),
-                                   torch.nn.Linear(64, 10))
-
-    def train(m, opt):
-        for i in range(5):
-            g = torch.Generator().manual_seed(i + 10 * hvd.rank())
-            opt.zero_grad()
-            F.cross_entropy(m(torch.randn(8, 50, generator=g)),
-                            torch.randint(0, 10, (8,), generator=g)).backward()
-            opt.step()
-        return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
-
     m = model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=m.named_parameters(), process_set=first,
