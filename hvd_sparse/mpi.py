@@ -36,8 +36,8 @@ from .mpi_collectives import (  # noqa: F401 - Horovod's names
     rocm_built, start_timeline, stop_timeline, synchronize)
 from . import mpi_collectives
 from .mpi_guard import HorovodInternalError  # noqa: F401 - Horovod's name
-from .mpi_guard import agree, check_root, describe, missing_name, named, pickled, unpickled
-from .mpi_guard import watched
+from .mpi_guard import (agree, check_root, describe, missing_name, named, pickled, unpickled,
+                        watched)
 from . import mpi_guard
 from .sync_batch_norm import SyncBatchNorm  # noqa: F401 - Horovod's name
 
@@ -193,7 +193,7 @@ def _bcast_bytes(buf, root_rank) -> None:
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Rank ``root_rank``'s picklable object on every rank; pickled, then broadcast as bytes in
     chunks (one mpi4py ``bcast`` fails past 2 GiB). An object the root cannot pickle raises
-    on every rank (the others waited, then failed in the next collective)."""
+    the same ``TypeError`` on every rank, not on the root alone."""
     import numpy as np
 
     _global_only(process_set)

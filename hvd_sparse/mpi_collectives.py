@@ -156,16 +156,16 @@ def _host_work(tensor, prescale):
         work = work.float()
     else:
         work = work.clone()
-    if prescale != 1.0:
-        if work.dtype.is_floating_point:
-            work.mul_(prescale)
-        else:
-            work = prescale_integers(work, prescale)
-    return work
+    return prescaled(work, prescale)
 
 
-def prescale_integers(work, prescale):
-    """An integer buffer scaled as Horovod scales one: in double, cast back (toward zero)."""
+def prescaled(work, prescale):
+    """``work`` (a copy, changed in place where it can be) times ``prescale`` as Horovod scales
+    it: floats in place, integers in double and cast back (toward zero)."""
+    if prescale == 1.0:
+        return work
+    if work.dtype.is_floating_point:
+        return work.mul_(prescale)
     return torch.trunc(work.double() * prescale).to(work.dtype)
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .compat import Average, Compression, Sum  # noqa: F401 - Horovod's names, Compression too
 from . import compat
 from .mpi_collectives import Max, Min, Product  # noqa: F401 - Horovod's values
-from .mpi_collectives import finish_reduction, prescale_integers
+from .mpi_collectives import finish_reduction, prescaled
 from .mpi_guard import HorovodInternalError, check_root, missing_name, named, pickled, unpickled
 from .optimizer import DistributedOptimizer as _DistributedOptimizer
 from .state_broadcast import broadcast_state_as_object
@@ -176,10 +176,7 @@ def _reduce(tensor, op, prescale, postscale):
         return out.view(tensor.shape)
     if tensor.dtype == torch.bool or tensor.is_complex():
         raise TypeError(f"hvd_sparse.torchdist.allreduce does not reduce {tensor.dtype}")
-    work = tensor.detach().to(_device(), copy=True).contiguous()
-    if prescale != 1.0:
-        work = work.mul_(prescale) if work.dtype.is_floating_point else \
-            prescale_integers(work, prescale)
+    work = prescaled(tensor.detach().to(_device(), copy=True).contiguous(), prescale)
     reduce_op = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
                  Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}[op]
     dist.all_reduce(work, op=reduce_op)
