@@ -273,10 +273,12 @@ def test_a_gradient_hook_registered_after_wrapping_is_exchanged(dropin, hook, de
         assert r[f"late_hook_{hook}_{density}_replicas"]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adamw_clip", "sgd_regrad"])
 def test_non_contiguous_parameters_train_as_row_major_ones(dropin, optimizer):
-    """channels_last and transposed parameters: gradients (SGD) and updates (AdamW) exchanged
-    by logical position, bit for bit the row-major run, layout kept."""
+    """channels_last and transposed parameters: gradients (SGD) and updates (AdamW, also with
+    local clipping) exchanged by logical position, bit for bit the row-major run, layout kept;
+    also when the user replaced ``p.grad`` after backward with one in the parameter's layout
+    (the sparse write and the local clipping took ``view(-1)`` of it and failed)."""
     for r in dropin:
         assert r[f"layout_{optimizer}_equal"] and r[f"layout_{optimizer}_replicas"]
         assert r[f"layout_{optimizer}_moved"] > 1e-3

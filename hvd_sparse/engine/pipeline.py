@@ -1070,6 +1070,12 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             grouped = cpu.group(idx, values, st.edges(b.offsets, b.numel))
         elif not single:  # idx is sorted: every parameter's range from one search, one read
             cuts = torch.searchsorted(idx, st.edges_on(b.offsets, b.numel, idx)).tolist()
+        if write != "delta":  # backward's gradients were made contiguous when read; one
+            # the user put in place since then (any layout) is overwritten here, as Horovod's
+            # synchronize() overwrites it
+            for p in b.params:
+                if id(p) not in sparse_ids and not p.grad.is_contiguous():
+                    p.grad = p.grad.contiguous()
         segs = [None if id(p) in sparse_ids
                 else (p.detach() if write == "delta" else p.grad).view(-1)[lo:hi]
                 for p, (lo, hi) in zip(b.params, b.slices)]

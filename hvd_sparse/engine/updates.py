@@ -75,15 +75,23 @@ class UpdateExchange:
         far below the limit; Adam's moments saw the unclipped spike)."""
         limit = self.config.local_clip_norm / math.sqrt(self.transport.size())
         for b in self.buckets:
-            pieces = [p.grad.view(-1)[lo:hi] for p, (lo, hi) in zip(b.params, b.slices)
-                      if p.grad is not None and not p.grad.is_sparse]
-            if not pieces:
+            # a bucket's slices are positions in logical order, which a transposed or
+            # channels_last gradient's storage is not: its norm is read in that order (the
+            # same bits as a row-major run's) and it is scaled in its own layout
+            parts = [(p.grad, lo, hi) for p, (lo, hi) in zip(b.params, b.slices)
+                     if p.grad is not None and not p.grad.is_sparse]
+            if not parts:
                 continue
             norm = torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(g.float()) for g in pieces]))
+                [torch.linalg.vector_norm(g.reshape(-1)[lo:hi].float()) for g, lo, hi in parts]))
             scale = torch.clamp(limit / (norm + 1e-12), max=1.0)
-            for g in pieces:
-                g.mul_(scale.to(g.dtype))
+            for g, lo, hi in parts:
+                if g.is_contiguous():
+                    g.view(-1)[lo:hi].mul_(scale.to(g.dtype))
+                elif lo == 0 and hi == g.numel():
+                    g.mul_(scale.to(g.dtype))
+                else:
+                    write_flat(g, lo, hi, g.reshape(-1)[lo:hi] * scale.to(g.dtype))
 
     def exchange_due(self) -> bool:
         """Will the next local step be followed by an exchange?"""

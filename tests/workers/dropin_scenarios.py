@@ -846,11 +846,16 @@ def _elementwise_step(ws, i, opt):
 def scenario_memory_layouts(res):
     """A transposed and a channels_last parameter (non-contiguous storage, as
     ``model.to(memory_format=torch.channels_last)`` makes) train exactly as the same values in
-    row-major storage, for gradients (SGD) and updates (AdamW), and keep their layout."""
+    row-major storage, for gradients (SGD) and updates (AdamW), and keep their layout; also
+    with updates clipped locally (``local_clip_norm``), and with gradients a user put in
+    ``p.grad`` after backward in the parameter's layout (overwritten by the exchange)."""
     torch.manual_seed(5)
     values = [torch.randn(48, 64), torch.randn(16, 8, 3, 3)]
-    for name, base in (("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
-                       ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2))):
+    for name, base, extra in (
+            ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {}),
+            ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2), {}),
+            ("adamw_clip", lambda ps: torch.optim.AdamW(ps, lr=1e-2), {"local_clip_norm": 0.5}),
+            ("sgd_regrad", lambda ps: torch.optim.SGD(ps, lr=0.1), {})):
         runs = {}
         for layout in ("rowmajor", "strided"):
             if layout == "rowmajor":
@@ -860,9 +865,14 @@ def scenario_memory_layouts(res):
                       torch.nn.Parameter(values[1].contiguous(
                           memory_format=torch.channels_last))]
             strides = [w.stride() for w in ws]
-            opt = make(torch.nn.ParameterList(ws), base(ws), density=0.05)
+            opt = make(torch.nn.ParameterList(ws), base(ws), density=0.05, **extra)
             for i in range(4):
                 _elementwise_step(ws, i, opt)
+                if name == "sgd_regrad":  # a copy in the parameter's own layout
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        for w in ws:
+                            w.grad = torch.empty_like(w).copy_(w.grad)
                 opt.step()
             runs[layout] = torch.cat([w.detach().reshape(-1) for w in ws])
             res[f"layout_{name}_{layout}_kept"] = [w.stride() for w in ws] == strides
