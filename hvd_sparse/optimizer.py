@@ -663,8 +663,11 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             return
         with torch.no_grad():
             for j, v in enumerate(tensors):
-                avg = engine.transport.wait(engine.transport.allreduce_async(
-                    v.detach().clone(), f"hvd_sparse.state.{j}", average=True))
+                avg = engine.transport.wait(engine.transport.allreduce_async(  # (row-major:
+                    # Horovod reduces contiguous tensors only; a channels_last parameter's
+                    # moments are not)
+                    v.detach().clone(memory_format=torch.contiguous_format),
+                    f"hvd_sparse.state.{j}", average=True))
                 v.copy_(avg.view_as(v))
 
     def _hs_mask_momentum(self, sent):

@@ -4,8 +4,8 @@
 (non-contiguous ones: a ``channels_last`` model's convolution weights, a transposed view; and
 bfloat16 ones, sent as their int16 bits) go through a contiguous copy and come back in their own
 layout, and any iterable of tensors or (name, tensor) pairs is taken (Horovod's takes a dict or
-a list). ``broadcast_optimizer_state`` of bfloat16 parameters or state sends the root's state
-dict as one object instead, as the Horovod-free front ends do.
+a list). ``broadcast_optimizer_state`` of such parameters or state (on any rank) sends the root's
+state dict as one object instead, as the Horovod-free front ends do.
 
 ``broadcast_optimizer_state`` also carries hvd_sparse's replicated state.
 
@@ -64,8 +64,10 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, **kwargs):
     root's replicated state before the next exchange. Call it on every rank."""
     import horovod.torch as hvd
 
-    if _holds_refused_dtypes(optimizer):  # Horovod's would fail on them, tensor by tensor
-        return broadcast_state_as_object(optimizer, root_rank, hvd.broadcast_object)
+    where = {"process_set": kwargs["process_set"]} if "process_set" in kwargs else {}
+    if _any_rank(hvd, _holds_refused(optimizer), where):  # Horovod's would fail on them
+        return broadcast_state_as_object(
+            optimizer, root_rank, lambda obj, root: hvd.broadcast_object(obj, root, **where))
     held = _parameters_before_initialising_step(optimizer)
     with warnings.catch_warnings():  # the state dict it reads is not a checkpoint
         warnings.simplefilter("ignore", ShardedStateWarning)
@@ -74,7 +76,6 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None, **kwargs):
         for p, before in held:
             p.copy_(before)
     if len(optimizer.state) == 0:  # (the same on every rank: the same optimizer class)
-        where = {"process_set": kwargs["process_set"]} if "process_set" in kwargs else {}
         _broadcast_options(optimizer, root_rank,
                            lambda obj, root: hvd.broadcast_object(obj, root, **where))
     engine = getattr(optimizer, "_hs_engine", None)
@@ -129,12 +130,19 @@ def _initialise_state(optimizer) -> None:
             p.copy_(before)
 
 
-def _holds_refused_dtypes(optimizer) -> bool:
-    """Parameters or state of a dtype Horovod's broadcast refuses (bfloat16)? The same answer
-    on every rank: parameters' dtypes match across replicas."""
-    return any(p.dtype in _AS_BITS for g in optimizer.param_groups for p in g["params"]) \
-        or any(isinstance(v, torch.Tensor) and v.dtype in _AS_BITS
-               for st in optimizer.state.values() for v in st.values())
+def _holds_refused(optimizer) -> bool:
+    """Parameters or state Horovod's in-place broadcast refuses: bfloat16, or a memory layout
+    other than row-major (a ``channels_last`` or transposed parameter, whose moments torch
+    creates in the same layout)?"""
+    return any(_refused(p) for g in optimizer.param_groups for p in g["params"]) \
+        or any(_refused(v) for st in optimizer.state.values() for v in st.values())
+
+
+def _any_rank(hvd, mine: bool, where) -> bool:
+    """``mine`` on some rank? One small allreduce, so that every rank takes the same path
+    where only some hold state (a job resumed on the root alone)."""
+    flag = torch.tensor([int(mine)], dtype=torch.int32)
+    return bool(hvd.allreduce(flag, op=hvd.Sum, name="hvd_sparse.state.path", **where).item())
 
 
 def broadcast_state_as_object(optimizer, root_rank, broadcast_object):

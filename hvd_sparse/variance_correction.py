@@ -153,8 +153,9 @@ class VarianceCorrection:
         ``maximize``; here: a float32/float64 CPU tensor without gaps, its state in the same
         layout) and the state is there (else False: the torch form)."""
         g, v, last = p.grad, st.get("exp_avg_sq"), self.last.get(i)
-        flat_g = _block(g) if HAVE_NUMBA and g.device.type == "cpu" else None
-        if flat_g is None or g.dtype not in (torch.float32, torch.float64) \
+        flat_g = _block(g) if HAVE_NUMBA and g.device.type == "cpu" \
+            and g.dtype in (torch.float32, torch.float64) else None  # numpy has no bfloat16
+        if flat_g is None \
                 or last is None or last.dtype != g.dtype or last.stride() != g.stride() \
                 or last.device != g.device or v is None or v.dtype != g.dtype \
                 or v.stride() != g.stride() or last.shape != g.shape or "step" not in st:

@@ -285,6 +285,35 @@ def test_non_contiguous_parameters_train_as_row_major_ones(dropin, optimizer):
         assert r[f"layout_{optimizer}_rowmajor_kept"] and r[f"layout_{optimizer}_strided_kept"]
 
 
+@pytest.mark.parametrize("case", ["all", "root_only"])
+def test_broadcast_optimizer_state_of_channels_last_and_transposed_moments(dropin, case):
+    """Adam's moments in a channels_last / transposed layout: the root's on every rank, layout
+    kept, then training in step (Horovod's broadcast refused them as non-contiguous)."""
+    for r in dropin:
+        assert r[f"strided_bcast_{case}_error"] is None, r[f"strided_bcast_{case}_error"]
+        assert r[f"strided_bcast_{case}_equal"] and r[f"strided_bcast_{case}_kept"]
+        assert r[f"strided_bcast_{case}_trained_equal"]
+
+
+def test_switch_to_horovods_step_averages_strided_moments(dropin):
+    """Every bucket dense (priced free): Adam's switch to Horovod's step averages moments in a
+    channels_last / transposed layout (it failed as non-contiguous), layouts kept."""
+    for r in dropin:
+        assert r["strided_switch_error"] is None, r["strided_switch_error"]
+        assert r["strided_switch_kinds"][0] == "update"
+        assert r["strided_switch_kinds"][-1] == "gradient"
+        assert r["strided_switch_state_equal"] and r["strided_switch_params_equal"]
+        assert r["strided_switch_layout_kept"]
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_bfloat16_parameters_train_under_adam_with_variance_correction(dropin, name):
+    for r in dropin:
+        assert r[f"bf16_{name}_error"] is None, r[f"bf16_{name}_error"]
+        assert r[f"bf16_{name}_corrected"] is True
+        assert r[f"bf16_{name}_equal"] and r[f"bf16_{name}_moved"] > 1e-3
+
+
 @pytest.mark.parametrize("how", ["dict", "list", "generator"])
 def test_broadcast_parameters_takes_a_channels_last_model(dropin, how):
     """``hvd.broadcast_parameters(model.state_dict(), root)`` of a channels_last model: the

@@ -898,6 +898,120 @@ def scenario_memory_layouts(res):
         res[f"layout_broadcast_{how}_kept"] = [p.stride() for p in net.parameters()] == strides
 
 
+def _strided_net(seed):
+    """A channels_last convolution and a transposed linear weight (torch gives their Adam
+    moments the same layouts), and the input for step ``i`` on this rank."""
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Flatten(),
+                              torch.nn.Linear(8 * 4 * 4, 5))
+    net[0].to(memory_format=torch.channels_last)
+    net[2].weight = torch.nn.Parameter(net[2].weight.detach().t().contiguous().t())
+
+    def batch(i):
+        g = torch.Generator().manual_seed(100 * i + hvd.rank())
+        return torch.randn(6, 3, 4, 4, generator=g).contiguous(
+            memory_format=torch.channels_last)
+    return net, batch
+
+
+def _adam_state(opt, net):
+    return [t for p in net.parameters() for _, t in sorted(opt.state[p].items())
+            if torch.is_tensor(t)]
+
+
+def scenario_strided_adam_state(res):
+    """Adam's moments in a parameter's non-row-major layout, where Horovod's collectives take
+    row-major tensors only: ``broadcast_optimizer_state`` (every rank holding state, and the
+    root alone, as at a resume) and the switch to Horovod's step once every bucket goes dense
+    (which averages the moments) give the root's / the averaged state on every rank, layouts
+    kept. Both failed with Horovod's 'Tensor is required to be contiguous'."""
+    from hvd_sparse import costmodel
+
+    for case in ("all", "root_only"):
+        net, batch = _strided_net(hvd.rank())  # different weights and state on every rank
+        opt = make(net, torch.optim.Adam(net.parameters(), lr=0.01), density=0.2)
+        opt.zero_grad()
+        net(batch(0)).pow(2).mean().backward()
+        opt.step()
+        with torch.no_grad():  # each rank's own moments, in the parameters' layouts
+            for t in _adam_state(opt, net):
+                if t.dim():
+                    t.add_(hvd.rank())
+        if case == "root_only" and hvd.rank() != 0:
+            opt.state.clear()  # as a job resumed on the root alone: the others fresh
+        error = None
+        try:
+            hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised: one rank's
+            error = f"{type(exc).__name__}: {exc}"
+        res[f"strided_bcast_{case}_error"] = error
+        if error is None:
+            state = _adam_state(opt, net)
+            res[f"strided_bcast_{case}_equal"] = same_everywhere(state) and len(state) == 12
+            res[f"strided_bcast_{case}_kept"] = all(
+                t.stride() == p.stride() for p in net.parameters()
+                for t in opt.state[p].values() if torch.is_tensor(t) and t.dim())
+            for i in range(1, 3):
+                opt.zero_grad()
+                net(batch(i)).pow(2).mean().backward()
+                opt.step()
+            res[f"strided_bcast_{case}_trained_equal"] = same_everywhere(params(net))
+    real = costmodel.dense_time
+    costmodel.dense_time = lambda *a, **k: 0.0  # every dense exchange priced free
+    try:
+        net, batch = _strided_net(7)
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(net.parameters(), lr=0.01),
+                                       named_parameters=net.named_parameters(), density=0.1,
+                                       min_sparse_numel=0, cost_model="time",
+                                       calibration_steps=2)
+        kinds, error = [], None
+        try:
+            for i in range(4):
+                opt.zero_grad()
+                net(batch(i)).pow(2).mean().backward()
+                opt.step()
+                kinds.append(opt.communication_stats()["exchange"])
+        except Exception as exc:  # noqa: BLE001
+            error = f"{type(exc).__name__}: {exc}"
+        res["strided_switch_error"] = error
+        res["strided_switch_kinds"] = kinds
+        if error is None:
+            res["strided_switch_state_equal"] = same_everywhere(_adam_state(opt, net))
+            res["strided_switch_params_equal"] = same_everywhere(params(net))
+            res["strided_switch_layout_kept"] = \
+                net[0].weight.is_contiguous(memory_format=torch.channels_last) \
+                and not net[2].weight.is_contiguous()
+    finally:
+        costmodel.dense_time = real
+
+
+def scenario_bfloat16_adam(res):
+    """bfloat16 parameters under Adam and AdamW with the defaults (updates exchanged, the
+    second moment's variance correction on): the correction's numba pass took a numpy view
+    of the gradient first, which has no bfloat16, and the first step failed."""
+    for name, build in (("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)):
+        torch.manual_seed(3)
+        net = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Tanh(),
+                                  torch.nn.Linear(30, 4)).to(torch.bfloat16)
+        start = params(net).clone()
+        opt = make(net, build(net.parameters(), lr=1e-2), density=0.1)
+        error = None
+        try:
+            for i in range(4):
+                g = torch.Generator().manual_seed(10 * i + hvd.rank())
+                opt.zero_grad()
+                net(torch.randn(8, 20, generator=g).bfloat16()).float().pow(2).mean().backward()
+                opt.step()
+        except Exception as exc:  # noqa: BLE001
+            error = f"{type(exc).__name__}: {exc}"
+        res[f"bf16_{name}_error"] = error
+        if error is None:
+            res[f"bf16_{name}_equal"] = same_everywhere(params(net))
+            res[f"bf16_{name}_moved"] = float((params(net) - start).float().abs().max())
+            res[f"bf16_{name}_corrected"] = opt._hs_engine.config.variance_correction
+
+
 def scenario_bfloat16_dense_tensor(res):
     """bfloat16 gradients, which Horovod's allreduce refuses: a tensor sent dense is averaged
     in float32 (exactly the mean here) and the replicas stay identical."""
@@ -1368,7 +1482,8 @@ SCENARIOS = [scenario_update_exchange, scenario_adam_all_dense_takes_horovods_st
              scenario_update_nonfinite, scenario_bfloat16_broadcasts,
              scenario_nonfinite_policies, scenario_dense_bucket_skip, scenario_local_steps_nan,
              scenario_sparse_embedding, scenario_sparse_embedding_unused_on_one_rank,
-             scenario_memory_layouts, scenario_bfloat16_dense_tensor,
+             scenario_memory_layouts, scenario_strided_adam_state, scenario_bfloat16_adam,
+             scenario_bfloat16_dense_tensor,
              scenario_step_with_closure, scenario_checkpoint_loads_weights_only,
              scenario_collective_helpers, scenario_more_collectives,
              scenario_names_types_and_complex, scenario_sync_batch_norm,
