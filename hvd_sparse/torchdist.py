@@ -15,6 +15,7 @@ matches collectives by call order: every rank must call them in the same order.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 
 import torch
@@ -226,8 +227,8 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor):
-        ctx.rows = allgather_object(tensor.shape[0] if tensor.dim() else 1)
-        return _gather(tensor.detach())
+        out, ctx.rows = _gather(tensor.detach())
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -238,11 +239,21 @@ class _Allgather(torch.autograd.Function):
 
 def _gather(tensor):
     """Every rank's ``tensor`` concatenated along the first dimension (rows may differ), by
-    the transport's byte all-gather (sizes first, padded, cut again)."""
+    the transport's byte all-gather (sizes first, padded, cut again), and each rank's row
+    count, read from those sizes: the same collectives on every rank whether or not its
+    tensor requires grad (an extra gather of the counts on some ranks only had the others
+    read its bytes as their tensor's)."""
+    trailing = tuple(tensor.shape[1:])
+    row_bytes = tensor.element_size() * math.prod(trailing)
+    if row_bytes == 0:  # rows of no bytes (the trailing shape is agreed: on every rank)
+        rows = allgather_object(tensor.shape[0] if tensor.dim() else 1)
+        return tensor.new_empty((sum(rows),) + trailing), rows
     t = TorchDistributedTransport()
     mine = tensor.contiguous().reshape(-1).view(torch.uint8)
-    out = t.wait(t.allgather_async(mine, "allgather"))
-    return out.view(tensor.dtype).reshape((-1,) + tuple(tensor.shape[1:]))
+    handle = t.allgather_async(mine, "allgather")
+    counts = handle[2][1]  # (the transport's record of every rank's byte count)
+    out = t.wait(handle)
+    return out.view(tensor.dtype).reshape((-1,) + trailing), [c // row_bytes for c in counts]
 
 
 def allgather(tensor, name=None, process_set=None):
@@ -254,7 +265,7 @@ def allgather(tensor, name=None, process_set=None):
            trailing_shape=tuple(tensor.shape[1:]), **named(name))
     if tensor.requires_grad and torch.is_grad_enabled():
         return _Allgather.apply(tensor)
-    return _gather(tensor)
+    return _gather(tensor)[0]
 
 
 def broadcast_(tensor, root_rank=0, name=None, process_set=None):
@@ -310,11 +321,12 @@ def broadcast_parameters(params, root_rank=0):
         items = sorted(params.items())
     else:
         items = [p if isinstance(p, tuple) else (None, p) for p in compat.param_list(params)]
+    tensors = [(n, p) for n, p in items if isinstance(p, torch.Tensor)]
+    _agree("broadcast_parameters", root=root_rank,  # (names, dtypes and shapes: Horovod's
+           tensors=tuple((n, str(p.dtype), tuple(p.shape)) for n, p in tensors))  # check)
     where = _device()
     with torch.no_grad():
-        for _, p in items:
-            if not isinstance(p, torch.Tensor):
-                continue
+        for _, p in tensors:
             buf = p.detach()
             staged = buf if buf.device == where and buf.is_contiguous() else \
                 buf.to(where).contiguous()

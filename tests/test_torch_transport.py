@@ -147,6 +147,10 @@ def test_torchdist_gives_horovods_helpers_under_torchrun(tmp_path):
         assert r["lambda"] == 1 and r["local_class"] == [7, 7]
         assert all(v is not None and "Mismatched" in v for v in r["mismatched"].values()), \
             r["mismatched"]
+        assert {"bcast_params_dtype", "bcast_params_shape", "bcast_params_count"} \
+            <= set(r["mismatched"])
+        assert r["allgather_grad_on_one_rank"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+        assert r["allgather_empty_rows"] == [3, 0]
         assert r["op_and_average"] == "ValueError"
         assert r["broadcast_param_or_tensor"] == [7.0] * 3
 

@@ -124,7 +124,25 @@ def main(outdir):
             mismatched["names"] = None
         except hvd.HorovodInternalError as e:
             mismatched["names"] = str(e)[:60]
+        for case, params in (  # Horovod's check of broadcast_parameters' tensors
+                ("bcast_params_dtype", {"w": torch.zeros(8) if rank == 0 else
+                                        torch.zeros(4, dtype=torch.float64)}),
+                ("bcast_params_shape", {"w": torch.zeros(2, 3) if rank == 0 else
+                                        torch.zeros(3, 2)}),
+                ("bcast_params_count", {"a": torch.zeros(3), **(
+                    {"b": torch.zeros(2)} if rank == 1 else {})})):
+            try:  # (reinterpreted bytes, a silent reshape and a hang before)
+                hvd.broadcast_parameters(params, root_rank=0)
+                mismatched[case] = None
+            except hvd.HorovodInternalError as e:
+                mismatched[case] = str(e)[:60]
         res["mismatched"] = mismatched
+        # a tensor that requires grad on one rank only (a parameter on the root): the same
+        # collectives on every rank (an extra gather of the row counts on the root had the
+        # others read its bytes as their rows)
+        mixed = torch.full((rank + 1, 2), float(rank), requires_grad=rank == 0)
+        res["allgather_grad_on_one_rank"] = hvd.allgather(mixed).tolist()
+        res["allgather_empty_rows"] = list(hvd.allgather(torch.zeros(rank + 1, 0)).shape)
         # a parameter on the root, a plain tensor elsewhere, one name: Horovod's common case
         src = torch.nn.Parameter(torch.full((3,), 7.0)) if rank == 0 else torch.zeros(3)
         res["broadcast_param_or_tensor"] = hvd.broadcast(src, root_rank=0, name="w").tolist()
