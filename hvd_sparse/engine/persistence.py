@@ -188,11 +188,13 @@ class Checkpointing:
                 raise ValueError(f"bucket '{bname}' has {saved[bname]['numel']} entries in the "
                                  f"checkpoint and {mine[bname].numel} here (another model?)")
         if set(saved) - set(mine):
-            lost = sorted(n for n in set(saved) - set(mine) if _holds_mass(saved[n]))
+            lost = sorted(_described(n, saved[n]) for n in set(saved) - set(mine)
+                          if _holds_mass(saved[n]))
             if lost:
                 warnings.warn(
                     "the checkpoint's sparse buckets differ from this optimizer's (made with "
-                    "another density, scope, min_sparse_numel or named_parameters?): the "
+                    "another density, scope, min_sparse_numel, named_parameters or set of "
+                    "trainable parameters?): the "
                     f"unsent mass it holds for {', '.join(lost)}, which are not sparse buckets "
                     f"here (this optimizer's: {', '.join(sorted(mine)) or 'none'}), is dropped; "
                     "resume with the settings it was saved with to keep it")
@@ -391,9 +393,10 @@ _LAID_OUT = ("uplink", "downlink", "velocity")
 
 def _regrouped(extra: dict, order: list) -> dict:
     """``extra`` with the mass of saved buckets that are not this optimizer's moved, parameter
-    by parameter, into this optimizer's buckets that the checkpoint lacks, where every
+    by parameter, into this optimizer's buckets that the checkpoint lacks, where any
     parameter slice such a bucket holds is in the checkpoint (the same tensors grouped
-    otherwise: short tensors sharing buckets or not, another scope). A saved bucket's members
+    otherwise: short tensors sharing buckets or not, another scope, a layer frozen or
+    unfrozen since; the slices it lacks start from zero). A saved bucket's members
     are recorded since the thirty-fourth session; one without them counts as the parameter it
     is named after when its length is that parameter's (one bucket per tensor, as before).
     Residuals, velocity and anchors move; the cost model's choices start afresh for the
@@ -427,12 +430,13 @@ def _regrouped(extra: dict, order: list) -> dict:
     buckets, anchors = dict(saved), dict(anchors)
     for b in missing:
         keys = [(n, lo, hi) for n, (lo, hi) in zip(b.names, b.slices)]
-        if not all(k in pieces for k in keys):
+        if not any(k in pieces for k in keys):
             continue
+        absent = dict.fromkeys(_LAID_OUT + ("anchor",))  # (a new slice: nothing saved)
         entry = {"numel": b.numel, "mode": "sparse", "bounds": None, "load": None,
                  "costs": {}, "shard": None, "members": [list(k) for k in keys]}
         for f in _LAID_OUT + ("anchor",):
-            parts = [pieces[k][f] for k in keys]
+            parts = [pieces.get(k, absent)[f] for k in keys]
             whole = None
             if any(t is not None for t in parts):
                 like = next(t for t in parts if t is not None)
@@ -446,11 +450,30 @@ def _regrouped(extra: dict, order: list) -> dict:
         placed.update(keys)
     if not placed:
         return extra
-    for name in set(source.values()):  # a saved bucket wholly moved is gone
-        if all(k in placed for k, v in source.items() if v == name):
+    for name in set(source.values()):  # a saved bucket wholly moved is gone; one moved in
+        # part keeps only what was not (for the warning, which then names just that)
+        keys = [k for k, v in source.items() if v == name]
+        rest = [k for k in keys if k not in placed]
+        anchors.pop(name, None)
+        if not rest:
             buckets.pop(name, None)
-            anchors.pop(name, None)
+        elif len(rest) < len(keys):
+            entry = dict(buckets[name], members=[list(k) for k in rest],
+                         numel=sum(hi - lo for _, lo, hi in rest))
+            for f in _LAID_OUT:
+                parts = [pieces[k][f] for k in rest]
+                entry[f] = None if any(t is None for t in parts) else torch.cat(parts)
+            buckets[name] = entry
     return dict(extra, buckets=buckets, anchors=anchors)
+
+
+def _described(name: str, entry: dict) -> str:
+    """A saved bucket's name for a warning, with the parameters it still holds where only
+    some of its members are left (the rest moved into this optimizer's buckets)."""
+    members = entry.get("members")
+    if not members or len(members) < 2 and members[0][0] == name:
+        return name
+    return f"{name} ({', '.join(m[0] for m in members)})"
 
 
 def _renamed(extra: dict, new_name) -> dict:
