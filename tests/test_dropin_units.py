@@ -1628,3 +1628,39 @@ def test_step_hooks_fire_once_per_step_after_a_load_or_a_copy(how, exchange):
     calls.clear()
     _train(m, opt, 2, seed=1)
     assert calls == ["pre", "post"] * 2
+
+
+@pytest.mark.parametrize("exchange", ["gradient", "update"])
+@pytest.mark.parametrize("sparsifier", ["topk", "gaussiank", "adaptive", "sbc"])
+@pytest.mark.parametrize("magnitude", [1e20, 3e38])
+def test_huge_finite_gradients_are_exchanged_sparsely_not_taken_for_nan(
+        magnitude, sparsifier, exchange):
+    """A finite gradient entry of magnitude 1e19 or more overflowed the uplink scan's float32
+    sum of squares (its NaN/Inf check) and a sum of such entries the plain check: the step
+    was taken for a non-finite one (sent dense, or skipped under "skip"). It is now sparse,
+    as any other, and counted as finite; a real NaN still is not."""
+    for bad in (magnitude, float("nan")):
+        p = torch.nn.Parameter(torch.zeros(5000))
+        base = torch.optim.SGD([p], lr=1e-3, momentum=0.9 if exchange == "update" else 0)
+        opt = hvd_sparse.DistributedOptimizer(
+            base, named_parameters=[("w", p)], transport=LocalTransport(), density=0.01,
+            cost_model="off", min_sparse_numel=0, sparsifier=sparsifier, exchange=exchange,
+            nonfinite="skip")
+        g = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+        g[7], g[4000] = bad, -bad
+        p.grad = g
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        stats = opt.communication_stats()
+        if bad != bad:  # NaN: skipped, nothing moved (the gradient's step counted as one)
+            assert int((p != 0).sum()) == 0
+            assert stats["nonfinite_steps"] == (exchange == "gradient")
+        else:
+            assert stats["nonfinite_steps"] == 0
+            assert bool(torch.isfinite(p).all())
+            assert 0 < int((p != 0).sum()) <= 100  # k = 50 of 5000, not every entry
+            if sparsifier == "sbc":  # one sign's mean goes: the larger's (a tie here)
+                assert float(p[7]) < 0 or float(p[4000]) > 0
+            else:  # the largest went first
+                assert float(p[7]) < 0 and float(p[4000]) > 0

@@ -65,6 +65,18 @@ class BucketView(NamedTuple):
     bounds: Optional[tuple] = None  # sharded exchange: the region bounds (P + 1 positions)
 
 
+def _finite_after_all(accumulating, flat, residual) -> bool:
+    """The uplink scan flagged NaN/Inf: is every entry of ``acc`` finite after all? Its check
+    is a float32 sum of squares, which also overflows for finite entries of magnitude 1e19
+    and above (a rare path: one exact pass over ``acc``, from where the scan wrote it or
+    summed again)."""
+    if accumulating is not None and accumulating.written:
+        acc = accumulating.into
+    else:
+        acc = flat + residual
+    return bool(torch.isfinite(acc).all())
+
+
 class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
     """Per-bucket sparse exchange with error feedback in both directions (see module doc).
 
@@ -576,8 +588,10 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
                 if accumulating is None and minus is not None:  # (not expected: the same
                     flat = self.weight_change(b)  # conditions) the change, written whole
                 sel = sparsifier.fused(accumulating or ops, flat, residual, up_density, ctx)
-                if sel is not None and sel.nonfinite and c.nonfinite == "ignore":
-                    sel = None  # NaN/Inf flow on, as the plain path lets them
+                if sel is not None and sel.nonfinite and (
+                        c.nonfinite == "ignore"  # NaN/Inf flow on, as the plain path lets them
+                        or _finite_after_all(accumulating, flat, residual)):
+                    sel = None
         pieces = accumulating is not None and accumulating.read_pieces
         if len(b.params) > 1 and not given:
             self.gradient_reads["in_pieces" if pieces else "copied"] += 1

@@ -84,7 +84,8 @@ if HAVE_NUMBA:
         ``a * a``; the set bits are then visited one by one (trailing-zero count), so only
         candidates cost a scalar step. The sum of squares doubles as the NaN/Inf check: it is
         finite exactly when every ``a`` is (and no block's float32 sum of squares overflows,
-        i.e. no magnitude near 1e18 or above), and fast math here keeps NaN/Inf semantics."""
+        i.e. no magnitude near 1e18 or above: the engine confirms a flag with an exact pass),
+        and fast math here keeps NaN/Inf semantics."""
         n = r.size
         full = n // BLOCK
         pos = 0
