@@ -164,11 +164,14 @@ class ResidualWatch:
             if sel is not None:
                 self.incremental += 1
                 return sel
-        sel, cidx, cval, (t_pos, t_neg) = select.sbc_scanned(ops, None, r, k)
+        sel, cidx, cval, bounds = select.sbc_scanned(ops, None, r, k)
         self.scanned += 1
         if sel is None or sel.nonfinite or cidx is None or not cheap:
+            # (a non-finite scan has no bounds: the caller's plain path answers; the scan's
+            # float32 sum of squares also flags finite entries past 1e19)
             self.parts = None
         else:
+            t_pos, t_neg = bounds
             idx, val = cpu.outside(cidx.numpy(), cval.numpy(), sel.idx.numpy(), self._marks(n))
             pi, pv, ni, nv = cpu.split_sides(idx, val)
             floor = select.tiny()
