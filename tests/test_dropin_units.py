@@ -1674,3 +1674,31 @@ def test_huge_finite_gradients_are_exchanged_sparsely_not_taken_for_nan(
                 assert float(moved[7]) < 0 or float(moved[4000]) > 0
             else:  # the largest went first
                 assert float(moved[7]) < 0 and float(moved[4000]) > 0
+
+
+def test_adaptive_topk_takes_float64_gradients_whose_squares_overflow():
+    """Adaptive Top-K's signal, a float64 sum of squares, overflowed for finite float64
+    entries past 1e154 (inf over an inf mean: k from NaN, and the step raised). The signal is
+    capped at the largest float; a state that holds inf (saved before) still answers."""
+    p = torch.nn.Parameter(torch.zeros(100, dtype=torch.float64))
+    opt = hvd_sparse.DistributedOptimizer(
+        torch.optim.SGD([p], lr=1.0), named_parameters=[("w", p)], transport=LocalTransport(),
+        density=0.1, cost_model="off", min_sparse_numel=0, sparsifier="adaptive",
+        exchange="gradient", bidirectional=True)
+    for s in range(3):
+        p.grad = torch.randn(100, dtype=torch.float64,
+                             generator=torch.Generator().manual_seed(s)) * 1e160
+        opt.step()
+        assert bool(torch.isfinite(p).all())
+        assert 1 <= opt.communication_stats()["selected"] <= 100
+    sp = AdaptiveTopK(total_steps=10)
+    sp.load_state_dict({"buckets": {"b": {"steps": 2, "spent": 20, "signal": float("inf"),
+                                          "mean": float("inf")}}})
+    assert 1 <= sp.k_for_step(100, 0.1, "b") <= 100
+    def k_at(signal, mean):
+        sp.load_state_dict({"buckets": {"b": {"steps": 2, "spent": 20, "signal": signal,
+                                              "mean": mean}}})
+        return sp.k_for_step(100, 0.1, "b")
+    # a signal over its mean past the largest float: the most the budget allows, as for a
+    # large finite ratio
+    assert k_at(1e308, 1e-300) == k_at(1e6, 1.0) > k_at(1.0, 1.0)

@@ -34,6 +34,7 @@ schedule's k and is charged to the budget at the configured density only: charge
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 
 import torch
@@ -124,7 +125,10 @@ class AdaptiveTopK(Sparsifier):
         ratio = 1.0
         if st["signal"] is not None and st["mean"]:
             ratio = (st["signal"] / st["mean"]) ** self.gamma
-        k = round(left / left_steps * ratio)
+            if math.isnan(ratio):  # (inf / inf: a state saved before the signal was capped)
+                ratio = 1.0
+        want = left / left_steps * ratio  # (a huge signal over a small mean: inf, the most)
+        k = round(want) if math.isfinite(want) else numel
         cap = math.floor(left - k_min * (left_steps - 1))
         return max(min(k, k_max, cap, numel), min(k_min, numel), 0)
 
@@ -156,7 +160,9 @@ class AdaptiveTopK(Sparsifier):
 
     def observe(self, aggregate, ctx):
         st = self._state(ctx.bucket)
-        s = square_sum(aggregate)
+        # (a float64 aggregate's squares overflow past 1e154: the largest float stands in, so
+        # that the ratio below stays a number)
+        s = min(square_sum(aggregate), sys.float_info.max)
         st["signal"] = s
         st["mean"] = s if st["mean"] is None else self.ema * st["mean"] + (1 - self.ema) * s
 
