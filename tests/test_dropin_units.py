@@ -1702,3 +1702,26 @@ def test_adaptive_topk_takes_float64_gradients_whose_squares_overflow():
     # a signal over its mean past the largest float: the most the budget allows, as for a
     # large finite ratio
     assert k_at(1e308, 1e-300) == k_at(1e6, 1.0) > k_at(1.0, 1.0)
+
+
+@pytest.mark.parametrize("kernels", ["numba", "torch"])
+def test_hard_threshold_at_zero_sends_no_zeros(kernels, monkeypatch):
+    """``threshold=0`` took every zero as a candidate (``|acc| >= 0``): 4096 pairs, twice the
+    dense bytes, for 10 entries that carry mass. Floored as every other method's threshold,
+    it sends exactly the non-zeros, on both kernel paths, and applies them whole."""
+    if kernels == "torch":
+        monkeypatch.setenv("HVD_SPARSE_KERNELS", "torch")
+    p = torch.nn.Parameter(torch.zeros(4096))
+    opt = hvd_sparse.DistributedOptimizer(
+        torch.optim.SGD([p], lr=1.0), named_parameters=[("w", p)], transport=LocalTransport(),
+        cost_model="off", min_sparse_numel=0, sparsifier="threshold", threshold=0.0,
+        exchange="gradient")
+    g = torch.zeros(4096)
+    where = torch.arange(0, 4096, 410)[:10]
+    g[where] = torch.linspace(-1, 1, 10) + 0.05
+    p.grad = g.clone()
+    opt.step()
+    stats = opt.communication_stats()
+    assert stats["selected"] == 10
+    assert stats["totals"]["bytes_sent"] < stats["totals"]["dense_bytes"] / 10
+    assert torch.equal(p.detach(), -g)
