@@ -57,9 +57,14 @@ class CommunicationStats:
 
     def end_step(self) -> None:
         self.last = dict(self._current)
-        # one host read per step, for all buckets together
-        self.last["compression_error"] = float(torch.stack(self._errors).sum()) \
-            if self._errors else 0.0
+        # one host read per step and device, for all buckets together (a GPU model's
+        # errors come from the device's residuals, or as CPU numbers where the scan measured
+        # them: a half-precision bucket beside float32 ones, a method's plain path)
+        by_device = {}
+        for e in self._errors:
+            by_device.setdefault(e.device, []).append(e.double())
+        self.last["compression_error"] = float(sum(float(torch.stack(es).sum())
+                                                   for es in by_device.values()))
         self.last_per_bucket = dict(self._current_per_bucket)
         for k in self.KEYS:
             self.totals[k] += self._current[k]

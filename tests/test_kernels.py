@@ -531,3 +531,23 @@ def test_numba_sample_equals_indexing(minus):
     low = pos < 1000
     assert np.array_equal(got[low], res.numpy()[pos[low]])
     assert np.array_equal(got[~low], want[~low])
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_compression_errors_from_several_devices_sum_in_one_read_each(device):
+    """A GPU model's buckets hand their errors over as device tensors (CuPy's scan measures no
+    energy) or as CPU numbers (a half-precision bucket's reference scan, a method's plain
+    path); one stack of them all failed on the mixed devices at the end of the step."""
+    from hvd_sparse.stats import CommunicationStats
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: the mixed-device case needs one")
+    stats = CommunicationStats()
+    errors = [torch.tensor(1.5, dtype=torch.float64), torch.tensor(0.25, device=device),
+              torch.tensor(2.0, dtype=torch.float16, device=device)]
+    for i, e in enumerate(errors):
+        stats.record(f"b{i}", sent=8, received=8, dense=16, selected=1, numel=2, error=e)
+    stats.end_step()
+    assert stats.as_dict()["compression_error"] == 3.75
+    stats.end_step()  # a step without errors
+    assert stats.as_dict()["compression_error"] == 0.0

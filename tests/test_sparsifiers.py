@@ -496,3 +496,28 @@ def test_a_multi_parameter_bucket_on_cuda_follows_the_cpu(exchange):
         ends.append(torch.cat([p.detach().reshape(-1).cpu() for p in m.parameters()]))
     assert not torch.equal(ends[0], torch.cat([p.reshape(-1) for p in base.parameters()]))
     assert torch.allclose(ends[0], ends[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_gaussiank_whose_sample_holds_only_zeros_sends_no_zeros(backend):
+    """The sample of a sparse vector can hold zeros only (a normal fit of mean = std = 0):
+    the threshold of 0 made every zero a candidate (the whole vector collected, then the k
+    largest of it, zeros among them where fewer than k are non-zero). Floored as every
+    threshold, it collects the non-zeros, here within GaussianK's band: all of them go, and
+    no zero."""
+    from hvd_sparse.kernels import cpu, reference, select
+    from hvd_sparse.sparsifiers import GaussianK, SelectionContext
+
+    if backend == "numba" and not cpu.available():
+        pytest.skip("numba is not installed")
+    ops = reference if backend == "torch" else cpu
+    n, density = 1 << 20, 0.001
+    sampled = np.zeros(n, dtype=bool)
+    sampled[select.sample_positions(n)] = True
+    free = np.flatnonzero(~sampled)
+    r = torch.zeros(n)
+    where = torch.from_numpy(free[:: len(free) // 900][:900])
+    r[where] = torch.linspace(0.5, 2.0, 900)
+    sel = GaussianK().fused(ops, None, r.clone(), density, SelectionContext("b"))
+    assert int((sel.values == 0).sum()) == 0
+    assert torch.equal(torch.sort(sel.idx).values, torch.sort(where).values)

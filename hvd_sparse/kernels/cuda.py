@@ -227,7 +227,7 @@ def topk_direct(g, r, k: int):
     keep = _top_mask(acc.abs(), k)
     if not bool(torch.isfinite(acc).all()):  # the one host read
         return _empty(r, True)
-    idx = torch.nonzero_static(keep, size=k).reshape(-1)
+    idx = reference.nonzero_k(keep, k)
     values = acc[idx]
     return Selection(idx, values, values)
 
@@ -264,8 +264,8 @@ def sbc_direct(g, r, k: int):
 def _sbc_side(score, mask, count: int, k: int):
     """The positions of SBC's side whose entries are ``mask`` (``score > 0``), in index order."""
     if count <= k:
-        return reference._nonzero_k(mask, count)
-    return reference._nonzero_k(_top_mask(score, k), k)  # (above zero: more than k are)
+        return reference.nonzero_k(mask, count)
+    return reference.nonzero_k(_top_mask(score, k), k)  # (above zero: more than k are)
 
 
 def _top_mask(score, k: int):
@@ -334,7 +334,7 @@ def _segment_direct(a, k):
         return torch.arange(a.numel(), device=a.device)
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=a.device)
-    return torch.nonzero_static(_top_mask(a.abs(), k), size=k).reshape(-1)
+    return reference.nonzero_k(_top_mask(a.abs(), k), k)
 
 
 _plans = collections.OrderedDict()

@@ -90,15 +90,24 @@ def pick_topk(cidx, cval, k, sign=0):
     above = score > kth
     tied = score == kth
     keep = above | (tied & (torch.cumsum(tied, 0) <= k - above.sum()))
-    where = _nonzero_k(keep, k)
+    where = nonzero_k(keep, k)
     return cidx[where], cval[where]
 
 
-def _nonzero_k(mask, k):
-    """Positions of the ``k`` set entries of ``mask``; no host read where torch offers it."""
-    if mask.device.type != "cpu" and hasattr(torch, "nonzero_static"):
-        return torch.nonzero_static(mask, size=k).squeeze(1)
-    return torch.nonzero(mask).squeeze(1)
+_STATIC_NONZERO = {"ok": hasattr(torch, "nonzero_static")}
+
+
+def nonzero_k(mask, k):
+    """Positions of the ``k`` set entries of a flat ``mask``; no host read where torch offers
+    it on the device (``nonzero_static``: a torch without its CUDA kernel raises, once, and
+    the counted form, one host read, is taken from then on)."""
+    if mask.device.type != "cpu" and _STATIC_NONZERO["ok"]:
+        try:
+            return torch.nonzero_static(mask, size=k).reshape(-1)
+        except (NotImplementedError, RuntimeError):
+            _STATIC_NONZERO["ok"] = False
+    return torch.nonzero(mask).reshape(-1)
+
 
 
 def commit(g, r, idx, remainder, zero_grad=False) -> None:

@@ -389,8 +389,11 @@ def gaussiank(ops, g, r, k: int, lo: int, hi: int, max_passes: int,
     smp = ops.sample(g, r, positions)
     t = gaussian_threshold(smp, n, k)
     s, passes, seen = None, 0, []
+    floor = float(tiny())
     for passes in range(1, max_passes + 1):
-        t32 = _as_dtype(t, r.dtype)
+        # (floored, as every threshold: a sample of zeros fits mean = std = 0, and a
+        # threshold of 0 made every zero a candidate, sent k at a time)
+        t32 = _as_dtype(max(t, floor), r.dtype)
         s = ops.scan(g, r, t32, t32, hi)
         if s.nonfinite:
             return _empty(r, True)
