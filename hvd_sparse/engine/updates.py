@@ -86,10 +86,8 @@ class UpdateExchange:
                 [torch.linalg.vector_norm(g.reshape(-1)[lo:hi].float()) for g, lo, hi in parts]))
             scale = torch.clamp(limit / (norm + 1e-12), max=1.0)
             for g, lo, hi in parts:
-                if g.is_contiguous():
+                if g.is_contiguous():  # in place; write_flat would take a copy
                     g.view(-1)[lo:hi].mul_(scale.to(g.dtype))
-                elif lo == 0 and hi == g.numel():
-                    g.mul_(scale.to(g.dtype))
                 else:
                     write_flat(g, lo, hi, g.reshape(-1)[lo:hi] * scale.to(g.dtype))
 
