@@ -16,6 +16,8 @@ import math
 import numpy as np
 import torch
 
+from .kernels import reference
+
 PHI = (1 + 5 ** 0.5) / 2
 
 
@@ -265,7 +267,7 @@ def decode_tensor(stream: torch.Tensor, count: int, b: int):
     # the first zero at or after each bit: the zeros in order (padded with n), indexed by how
     # many zeros come before the bit
     before = torch.cumsum(zero, 0) - zero.to(torch.int64)
-    where_zero = torch.nonzero_static(zero, size=n + 1, fill_value=n).reshape(-1)
+    where_zero = reference.nonzero_k(zero, n + 1, fill_value=n)
     stay = torch.arange(n, n + 2, device=device)  # made there: a copy from the host would wait
     nextzero = torch.cat([where_zero[before], stay])  # n and broken map to themselves
     nxt = nextzero + (1 + b)

@@ -551,3 +551,19 @@ def test_compression_errors_from_several_devices_sum_in_one_read_each(device):
     assert stats.as_dict()["compression_error"] == 3.75
     stats.end_step()  # a step without errors
     assert stats.as_dict()["compression_error"] == 0.0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+@pytest.mark.parametrize("static", [True, False])
+def test_nonzero_k_pads_with_the_fill_and_falls_back_the_same(device, static, monkeypatch):
+    """The positions the Golomb device decoder and the CUDA selections take: the first k set
+    entries, padded with ``fill_value`` when fewer are set; the counted form (a torch without
+    ``nonzero_static`` on the device) gives the same positions."""
+    monkeypatch.setitem(reference._STATIC_NONZERO, "ok", static)
+    mask = torch.tensor([0, 1, 0, 1, 1, 0, 0, 1], dtype=torch.bool, device=device)
+    assert reference.nonzero_k(mask, 4).tolist() == [1, 3, 4, 7]
+    assert reference.nonzero_k(mask, 6, fill_value=8).tolist() == [1, 3, 4, 7, 8, 8]
+    assert reference.nonzero_k(mask, 3, fill_value=8).tolist() == [1, 3, 4]
+    none = torch.zeros(5, dtype=torch.bool, device=device)
+    assert reference.nonzero_k(none, 2, fill_value=5).tolist() == [5, 5]

@@ -97,16 +97,23 @@ def pick_topk(cidx, cval, k, sign=0):
 _STATIC_NONZERO = {"ok": hasattr(torch, "nonzero_static")}
 
 
-def nonzero_k(mask, k):
+def nonzero_k(mask, k, fill_value=None):
     """Positions of the ``k`` set entries of a flat ``mask``; no host read where torch offers
     it on the device (``nonzero_static``: a torch without its CUDA kernel raises, once, and
-    the counted form, one host read, is taken from then on)."""
+    the counted form, one host read, is taken from then on). With ``fill_value``, ``mask``
+    may hold fewer than ``k`` set entries: the positions are padded with it to ``k``."""
     if mask.device.type != "cpu" and _STATIC_NONZERO["ok"]:
         try:
-            return torch.nonzero_static(mask, size=k).reshape(-1)
+            if fill_value is None:
+                return torch.nonzero_static(mask, size=k).reshape(-1)
+            return torch.nonzero_static(mask, size=k, fill_value=fill_value).reshape(-1)
         except (NotImplementedError, RuntimeError):
             _STATIC_NONZERO["ok"] = False
-    return torch.nonzero(mask).reshape(-1)
+    where = torch.nonzero(mask).reshape(-1)
+    if fill_value is None or where.numel() >= k:
+        return where[:k] if fill_value is not None else where
+    pad = torch.full((k - where.numel(),), fill_value, dtype=where.dtype, device=where.device)
+    return torch.cat([where, pad])
 
 
 
