@@ -144,3 +144,42 @@ def test_each_process_set_keeps_its_own_replicas(tmp_path, mpi_available):
             assert r[f"{name}_sets_differ"], (name, r)
         assert r["first_pair_equal"] and r["first_state_dict"], r
         assert r["first_equals_local"] == (r["rank"] >= 2), r
+
+
+KNOBS = {
+    "autotune": {"HOROVOD_AUTOTUNE": "1"},
+    "no_response_cache": {"HOROVOD_CACHE_CAPACITY": "0"},
+    "no_fusion": {"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_DISABLE_GROUP_FUSION": "1"},
+    "timeline": {"HOROVOD_TIMELINE": "{dir}/timeline.json"},
+    "timeline_started_by_the_script": {"HOROVOD_TIMELINE": "DYNAMIC",
+                                       "KNOBS_TIMELINE": "{dir}/timeline.json"},
+}
+
+
+@pytest.fixture(scope="module")
+def knobs_reference(tmp_path_factory, mpi_available):
+    out = tmp_path_factory.mktemp("knobs_default")
+    proc, results = run_ranks("mpirun", 2, "horovod_knobs_scenario.py", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return results
+
+
+@pytest.mark.parametrize("knob", sorted(KNOBS))
+def test_horovods_run_time_settings_change_no_bit(knob, knobs_reference, tmp_path):
+    """Horovod's tuning and tracing settings (autotuning of fusion and cycle time, no response
+    cache, no fusion, the timeline from the environment or started by the script) run the
+    sparse exchanges as any other collective: replicas identical and the weights equal, bit
+    for bit, to a run without them; a timeline records the sparse allgathers by name."""
+    env = {k: v.format(dir=tmp_path) for k, v in KNOBS[knob].items()}
+    if knob == "autotune":
+        env["HOROVOD_AUTOTUNE_LOG"] = str(tmp_path / "autotune.csv")
+    proc, results = run_ranks("mpirun", 2, "horovod_knobs_scenario.py", tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in results:
+        for case in ("sgd_topk", "adam_sbc"):
+            assert r[case] == knobs_reference[0][case] == knobs_reference[1][case], (case, r)
+    if knob == "autotune":
+        assert (tmp_path / "autotune.csv").stat().st_size > 0
+    if "timeline" in knob:
+        text = (tmp_path / "timeline.json").read_text()
+        assert "allgather.hvd_sparse." in text and "allreduce.hvd_sparse." in text
