@@ -10,6 +10,7 @@ script on a machine with no GPU.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -216,6 +217,10 @@ def check_mpi(path):
 
 
 if __name__ == "__main__":
-    what, dest = sys.argv[1], sys.argv[2]
-    ok = check_kernels(dest) if what == "kernels" else check_mpi(dest)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("kernels", "mpi"))
+    parser.add_argument("dest", help="the JSON file to write")
+    args = parser.parse_args()
+    ok = check_kernels(args.dest) if args.what == "kernels" else check_mpi(args.dest)
     sys.exit(0 if ok else 1)

@@ -14,6 +14,8 @@ tied_embedding.png.
 """
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.nn as nn
 
@@ -72,6 +74,8 @@ def run(tied, density, lr=0.5, momentum=0.9, ranks=2):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     rows = []
     for tied in (True, False):

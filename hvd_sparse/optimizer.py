@@ -932,7 +932,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     ``index_coding``: how positions go on the wire: ``"plain"`` (32- or 64-bit integers),
     ``"golomb"`` (Golomb-Rice gaps, about 8 bits per position at 1%) or ``"auto"`` (the
     default, Golomb-Rice always for ``"sbc"``): per bucket, the time cost model's choice at
-    calibration, Golomb-Rice where its codec time (timed at start-up, agreed across ranks)
+    calibration, Golomb-Rice where its codec time (timed at calibration, agreed across ranks)
     costs less than the wire time it saves; plain before calibration, with ``cost_model`` other
     than ``"time"``, on GPUs, without numba and for the sharded exchange.
     ``total_steps`` is the run's length in optimizer steps, where known: adaptive Top-K plans its
@@ -961,17 +961,19 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     RMSprop, Adagrad, ... and their subclasses) and for SGD with momentum (each rank's velocity
     then sees its own dense gradient, as under DGC's momentum correction; updates beat
     gradients on every SGD workload measured: ``benchmarks/convergence.py``,
-    ``benchmarks/unseen_models.py``), except with SBC, and ``"gradient"`` otherwise (plain
+    ``benchmarks/unseen_models.py``), except with SBC and the hard threshold (absolute
+    thresholds chosen on gradients), and ``"gradient"`` otherwise (plain
     SGD, optimizers of other kinds), with ``backward_passes_per_step > 1`` or
     ``momentum_correction``. ``track_error`` keeps the per-step
     compression error ``||acc - sent||^2`` in the statistics (one extra pass per bucket).
-    ``deterministic_dense`` (default) exchanges dense buckets by allgather and a rank-order sum,
-    so results do not depend on how Horovod fuses and reduces (with 3 or more ranks an allreduce's
-    summation order, hence its rounding, can change from run to run); ``False`` uses
-    Horovod's allreduce, which moves fewer bytes for large dense buckets.
+    ``deterministic_dense`` (default) exchanges dense buckets at 3 or more ranks by allgather
+    and a rank-order sum, so results do not depend on how Horovod fuses and reduces (there an
+    allreduce's summation order, hence its rounding, can change from run to run; at 2 ranks
+    the sum is one addition either way and the allreduce is kept); ``False`` uses Horovod's
+    allreduce, which moves fewer bytes for large dense buckets.
     ``cost_model`` decides per bucket whether to go dense (error feedback included):
     ``"time"`` (default) from the sparse path's measured compute on the first
-    ``calibration_steps`` steps and the link's latency and bandwidth timed at start-up (again
+    ``calibration_steps`` steps and the link's latency and bandwidth timed at the end of them (again
     every ``recalibrate_every`` steps if set), agreed across ranks; ``"bytes"`` from bytes
     alone; ``"off"`` never (``dense_fallback=False`` is the same). See
     :mod:`hvd_sparse.costmodel` and ``communication_stats()["cost_model"]``.

@@ -778,3 +778,43 @@ def test_broadcast_parameters_refuses_what_is_no_collection_as_horovod(mpi_avail
     run = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+HELP_RUNNER = r"""
+import contextlib, io, json, runpy, sys
+from pathlib import Path
+bench = Path(sys.argv[1])
+sys.path.insert(0, str(bench))
+out = {}
+for script in sorted(bench.glob("*.py")):
+    if script.name == "common.py":
+        continue
+    sys.argv = [str(script), "--help"]
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):
+            runpy.run_path(str(script), run_name="__main__")
+        out[script.name] = ["no exit", text.getvalue()[:200]]
+    except SystemExit as e:
+        out[script.name] = [e.code, text.getvalue()[:200]]
+    except BaseException as e:
+        out[script.name] = [repr(e), text.getvalue()[:200]]
+print(json.dumps(out))
+"""
+
+
+def test_every_benchmark_answers_help_and_runs_nothing():
+    """``--help`` on each script in benchmarks/ prints its usage and exits 0, with nothing
+    measured and no result written (one ran its whole simulation and overwrote its committed
+    results; another failed on a missing argument)."""
+    results = ROOT / "benchmarks" / "results"
+    before = {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()}
+    proc = subprocess.run([sys.executable, "-c", HELP_RUNNER, str(ROOT / "benchmarks")],
+                          capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answers = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(answers) >= 20, answers.keys()
+    for name, (code, text) in answers.items():
+        assert code in (0, None) and text.startswith("usage:"), (name, code, text)
+    after = {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()}
+    assert after == before

@@ -43,6 +43,11 @@ def _wrap(opt_cls=torch.optim.SGD, **kw):
     ({"sparsifier": "gaussiank", "sparsifier_options": {"slack": math.nan}}, "slack"),
     ({"sparsifier": "gaussiank", "sparsifier_options": {"max_passes": math.inf}}, "max_passes"),
     ({"sparsifier": "randomk", "sparsifier_options": {"seed": "abc"}}, "seed"),
+    ({"sparsifier": "randomk", "sparsifier_options": {"seed": 2.5}}, "seed"),  # not truncated
+    ({"sparsifier": "threshold", "threshold": math.inf}, "threshold"),  # would select nothing
+    ({"sparsifier": "threshold", "sparsifier_options": {"threshold": math.inf}}, "threshold"),
+    ({"sparsifier": "threshold", "threshold": torch.tensor(math.inf)}, "threshold"),
+    ({"sparsifier": "threshold", "threshold": math.nan}, "threshold"),
     ({"sparsifier": "adaptive", "min_density": 2}, "min_density"),
     ({"sparsifier": "adaptive", "min_density": -1, "max_density": 2}, "min_density"),
     ({"sparsifier": "adaptive", "max_density": math.nan}, "max_density"),

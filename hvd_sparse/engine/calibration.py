@@ -1,4 +1,5 @@
-"""Start-up measurements for the time-based cost model, agreed across ranks.
+"""The time-based cost model's measurements, taken at the calibration step (the end of the
+first ``calibration_steps``, and every ``recalibrate_every`` after) and agreed across ranks.
 
 The link is timed with the engine's own collectives (allgather of bytes, allreduce of floats)
 at two sizes each; every rank then shares its figures and takes the element-wise maximum, so

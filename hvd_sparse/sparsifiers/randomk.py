@@ -22,8 +22,12 @@ class RandomK(Sparsifier):
     name = "randomk"
 
     def __init__(self, seed: int = 0):
-        try:  # what int() takes, as before: 3, 3.0, "3"
-            self.seed = int(validate.plain_number(seed))
+        value = validate.plain_number(seed)
+        try:  # what int() takes without dropping a fraction: 3, 3.0, "3"
+            if isinstance(value, bool) or (isinstance(value, float)
+                                           and not value.is_integer()):
+                raise ValueError
+            self.seed = int(value)
         except (TypeError, ValueError, OverflowError):
             raise ValueError(f"seed must be an int, got {seed!r}") from None
 

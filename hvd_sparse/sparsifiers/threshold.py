@@ -14,10 +14,9 @@ early error-compensated gradient, then held constant as the method requires.
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from .. import validate
 from ..kernels import select as fused_select
 from .base import Sparsifier, threshold_indices
 
@@ -40,12 +39,9 @@ class HardThreshold(Sparsifier):
     elementwise = True
 
     def __init__(self, threshold: float):
-        if isinstance(threshold, torch.Tensor) and threshold.numel() == 1:
-            threshold = threshold.item()
-        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) \
-                or not (threshold >= 0.0):
-            raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
-        self.threshold = float(threshold)
+        # finite: an infinite threshold selects nothing, ever (the bucket's mass piles up in
+        # its residual unseen), which no one asks for on purpose
+        self.threshold = validate.real("threshold", threshold, lo=0)
         # last step's count per (bucket, direction): room for the scan to collect candidates in
         # its one pass (a GPU scan told nothing counts first and collects in a second); speed
         # only, never the result, so it is not checkpointed
