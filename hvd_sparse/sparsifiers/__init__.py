@@ -74,7 +74,9 @@ def make_sparsifier(spec, **options) -> Sparsifier:
             raise TypeError(f"sparsifier={spec!r} needs {', '.join(k + '=' for k in missing)}"
                             + (" (the magnitude from which entries are sent; "
                                "hvd_sparse.threshold_for_k(grad, k) gives one that sends about "
-                               "k entries of gradients like grad)"
+                               "k entries of vectors like grad; where weight updates are "
+                               "exchanged (Adam's family by default), "
+                               "give it a weight change)"
                                if missing == ["threshold"] else ""))
         return cls(**options)
     raise ValueError(
