@@ -165,6 +165,10 @@ def test_skip_on_a_dense_bucket_keeps_its_residual(dropin):
 def test_local_steps_never_apply_a_nonfinite_gradient(dropin):
     for r in dropin:
         assert r["local_nan_finite"] and r["local_nan_equal"]
+        # "raise": every rank raises at the exchange, back where the last one left them
+        assert r["local_nan_raise_steps"] == [5], r
+        assert r["local_nan_raise_restored"] and r["local_nan_raise_equal"], r
+        assert r["local_nan_raise_finite"]
 
 
 @pytest.mark.parametrize("scope", ["tensor", "model"])

@@ -965,6 +965,32 @@ def test_local_clip_norm_clips_the_gradients_where_updates_are_exchanged():
     assert top < 1.0  # unclipped: ~1e4 and above
 
 
+@pytest.mark.parametrize("local_steps", [1, 3])
+def test_local_clip_norm_leaves_the_exchanged_weight_change_whole(local_steps):
+    """Where updates are exchanged the gradient is clipped before the local step, and the
+    weight change it makes is sent as it is: a limit above every gradient's norm but below
+    the change's (a large rate) changes nothing. The change was clipped too (wherever the
+    uplink reads it whole: every time a clip is asked for)."""
+    def run(clip):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(50, 40)
+        opt = _wrap(m, torch.optim.SGD(m.parameters(), lr=3.0), exchange="update",
+                    local_clip_norm=clip, density=0.5, local_steps=local_steps)
+        g, most = torch.Generator().manual_seed(1), 0.0
+        for _ in range(6):
+            x, y = torch.randn(8, 50, generator=g), torch.randn(8, 40, generator=g)
+            opt.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            most = max([most] + [float(p.grad.norm()) for p in m.parameters()])
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in m.parameters()]), most
+
+    free, most = run(None)
+    clipped, _ = run(2.0)
+    assert most < 2.0  # the limit never binds on a gradient (one rank: the limit is 2)
+    assert torch.equal(free, clipped)
+
+
 def test_a_non_finite_step_counts_what_it_sent():
     """Under the default ``nonfinite="propagate"`` a step whose gradient holds Inf sends the
     flagged payload, then the raw gradient dense: ``communication_stats()`` counted 0 bytes."""

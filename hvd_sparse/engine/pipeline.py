@@ -566,8 +566,8 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             else:
                 flat, sparse_ids = self.gradient(b)
         name = f"hvd_sparse.{b.index}.{b.name}"
-        if c.local_clip_norm is not None and delta is None:  # (updates: clip_gradients)
-            flat = clip_local(flat, c.local_clip_norm, self.transport.size())
+        if c.local_clip_norm is not None and not given:  # a weight change is not clipped:
+            flat = clip_local(flat, c.local_clip_norm, self.transport.size())  # its p.grad was
         if dense_mode:
             with self.clock.stage("dense"):
                 self._launch_dense(b, flat, sparse_ids, name, dense_mode)
@@ -614,7 +614,7 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             elif accumulating is not None and accumulating.written and accumulating.into is flat:
                 # the scan left acc in the engine's own copy: the plain path needs the input
                 flat = self.weight_change(b) if given else self.gradient(b)[0]
-                if c.local_clip_norm is not None:
+                if c.local_clip_norm is not None and not given:
                     flat = clip_local(flat, c.local_clip_norm, self.transport.size())
             self._launch_plain(b, flat, sparse_ids, name, target)
             return
@@ -1201,10 +1201,18 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
         # gradient, or in the step itself, as AdamW's in float16 with eps=1e-8)
         what = "weight change (a rank's optimizer step)" if write == "delta" else "gradient"
         if c.nonfinite == "raise":
+            again = ""
+            if write == "delta":  # every rank restarts from the same weights, as under
+                again = (" Every rank's weights are back where the last exchange left "
+                         "them.")  # "skip": kept, a rank's own steps would part the replicas
+                for b in self.buckets:
+                    if self.state[b.index].anchor is not None:
+                        self._restore_anchor(b)
             raise safety.NonFiniteGradientError(
                 f"non-finite {what} at step {self.steps}: {where}{mine}. Nothing of it "
-                "entered the residuals on any rank. Pass nonfinite='propagate' to hand it to "
-                "a loss scaler as dense Horovod does, or 'skip' to skip such steps.")
+                f"entered the residuals on any rank.{again} Pass nonfinite='propagate' to "
+                "hand it to a loss scaler as dense Horovod does, or 'skip' to skip such "
+                "steps.")
         if c.nonfinite == "propagate" and write == "grads":
             self._exchange_raw(received)
             return

@@ -198,7 +198,12 @@ class UpdateExchange:
         for b in self.launch_order:
             delta = None if flagged else self._weight_change_parts(b)
             flat = self.weight_change(b) if delta is None else delta[0]
-            if flagged:  # a local step saw NaN/Inf under "raise": every rank must learn it
+            if flagged and self.mode(b):  # a local step saw NaN/Inf under "raise": every
+                # rank must learn it, in the collective the others start for a dense bucket
+                marked = flat.clone()
+                marked.view(-1)[:1] = float("nan")
+                self.launch(b, marked)
+            elif flagged:
                 self._send_nonfinite(b, flat, f"hvd_sparse.{b.index}.{b.name}", frozenset())
             else:
                 self.launch(b, flat, delta=None if delta is None else delta[1:])

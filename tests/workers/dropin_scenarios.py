@@ -19,6 +19,7 @@ else:
     import hvd_sparse as hvd
 
 import scenario_runner as runner  # noqa: E402
+from hvd_sparse.safety import NonFiniteGradientError  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -415,6 +416,24 @@ def scenario_local_steps_nan(res):
         step(m, opt, i, poison=float("nan") if (i == 3 and hvd.rank() == 1) else None)
     res["local_nan_finite"] = bool(torch.isfinite(params(m)).all())
     res["local_nan_equal"] = same_everywhere(params(m))
+    # under "raise", beside dense buckets (the biases, below min_sparse_numel): the flag went
+    # as a sparse payload where the others started a dense collective (a Horovod type
+    # mismatch at 3 ranks), and after the error each rank kept its own local steps, which the
+    # next round took for an outside change (replicas parted for good)
+    m = model()
+    opt = make(m, local_steps=3, nonfinite="raise", min_sparse_numel=100)
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    raised = []
+    for i in range(9):
+        try:
+            step(m, opt, i, poison=float("nan") if (i == 3 and hvd.rank() == 1) else None)
+        except NonFiniteGradientError:
+            raised.append(i)
+        if i == 5:  # just after the refused exchange: back at the last exchange's weights
+            res["local_nan_raise_restored"] = same_everywhere(params(m))
+    res["local_nan_raise_steps"] = raised
+    res["local_nan_raise_finite"] = bool(torch.isfinite(params(m)).all())
+    res["local_nan_raise_equal"] = same_everywhere(params(m))
 
 
 class EmbedNet(torch.nn.Module):
