@@ -272,10 +272,11 @@ class UpdateExchange:
         where it reads them (16 bytes per entry with the residual and ``acc``, against 24 for
         the change written first): (the unfilled flat buffer, [(piece, offset)], anchor), or
         None where :meth:`weight_change` is needed (the conditions of
-        :meth:`_gradient_parts`, and float32 parameters and anchor)."""
-        c, st = self.config, self.state[b.index]
+        :meth:`_gradient_parts` but a clip, which acts on gradients, and float32 parameters
+        and anchor)."""
+        st = self.state[b.index]
         if not self._acc_in_scan or st.anchor is None or st.anchor.dtype != torch.float32 \
-                or c.local_clip_norm is not None or st.velocity is not None \
+                or st.velocity is not None \
                 or not cpu.available() or cpu._threads() != 1:
             return None
         parts = []
