@@ -1205,9 +1205,7 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             if write == "delta":  # every rank restarts from the same weights, as under
                 again = (" Every rank's weights are back where the last exchange left "
                          "them.")  # "skip": kept, a rank's own steps would part the replicas
-                for b in self.buckets:
-                    if self.state[b.index].anchor is not None:
-                        self._restore_anchor(b)
+                self._restore_anchors()
             raise safety.NonFiniteGradientError(
                 f"non-finite {what} at step {self.steps}: {where}{mine}. Nothing of it "
                 f"entered the residuals on any rank.{again} Pass nonfinite='propagate' to "
@@ -1220,8 +1218,8 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             for p in b.params:
                 if p.grad is not None:
                     p.grad = torch.zeros_like(p) if p.grad.is_sparse else p.grad.zero_()
-            if write == "delta" and self.state[b.index].anchor is not None:
-                self._restore_anchor(b)  # the weight change was not finite: start again
+        if write == "delta":
+            self._restore_anchors()  # the weight change was not finite: start again
         self.skip_step = True
         self.stats.skipped += 1
         warnings.warn(f"skipping step {self.steps} on every rank: non-finite {what} in "
@@ -1245,6 +1243,12 @@ class Engine(ShardedExchange, UpdateExchange, LinkPricing, Checkpointing):
             else:
                 out = received[b.index][0]
             self._write_dense(b, out, self.inflight[b.index].sparse_grads, "grads")
+
+    def _restore_anchors(self) -> None:
+        """Every bucket with an anchor back at it (the weights of the last exchange)."""
+        for b in self.buckets:
+            if self.state[b.index].anchor is not None:
+                self._restore_anchor(b)
 
     def _restore_anchor(self, b) -> None:
         anchor = self.state[b.index].anchor

@@ -110,8 +110,10 @@ def nonzero_k(mask, k, fill_value=None):
         except (NotImplementedError, RuntimeError):
             _STATIC_NONZERO["ok"] = False
     where = torch.nonzero(mask).reshape(-1)
-    if fill_value is None or where.numel() >= k:
-        return where[:k] if fill_value is not None else where
+    if fill_value is None:
+        return where
+    if where.numel() >= k:
+        return where[:k]
     pad = torch.full((k - where.numel(),), fill_value, dtype=where.dtype, device=where.device)
     return torch.cat([where, pad])
 
